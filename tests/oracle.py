@@ -1,0 +1,264 @@
+"""Independent test oracle: random prefill cases and their float64 reference results.
+
+Nothing here calls pagedprefill. K/V are materialised per sequence straight from the raw caches
+and block tables (advanced indexing per key), and attention is computed row-block by row-block in
+float64 with an explicit mask. Every backend's tests compare against this.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass
+class Case:
+    """A call's keyword arguments plus what the oracle needs to know about it."""
+
+    kwargs: dict
+    lens_q: list[int]
+    lens_kv: list[int]
+    q_start: list[int]  # token rows
+    o_start: list[int]
+    lse_start: list[int] | None  # flat element offsets into lse, or None for the (B, max_q, Hq) layout
+    info: dict = field(default_factory=dict)
+
+
+def _starts(lens: list[int], gen: torch.Generator, gaps: bool) -> tuple[list[int], int]:
+    """Start rows for each sequence, optionally with random gaps before/between; total rows."""
+    starts, acc = [], 0
+    for n in lens:
+        if gaps:
+            acc += int(torch.randint(0, 3, (1,), generator=gen))
+        starts.append(acc)
+        acc += n
+    if gaps:
+        acc += int(torch.randint(0, 3, (1,), generator=gen))
+    return starts, acc
+
+
+def _rand(shape, dtype, gen, device, scale=1.0):
+    x = torch.randn(shape, generator=gen, dtype=torch.float32) * scale
+    if dtype in FP8:
+        x = x.clamp(-200, 200)
+    return x.to(dtype).to(device)
+
+
+def make_case(
+    seed: int,
+    *,
+    lens_q: list[int],
+    lens_kv: list[int],
+    hq: int = 4,
+    hkv: int = 2,
+    dqk: int = 64,
+    dvo: int | None = None,
+    page_size: int = 4,
+    kv_layout: str = "nhd",
+    dtype: torch.dtype = torch.float32,
+    kv_dtype: torch.dtype | None = None,
+    causal: bool = True,
+    offsets: str = "none",
+    gaps: bool = False,
+    lse_layout: str = "padded",
+    return_lse: bool = True,
+    extra_table_cols: int = 1,
+    max_q: int | None = None,
+    max_kv: int | None = None,
+    lens_on_device: bool = False,
+    device: str | torch.device = "cpu",
+    scale: float | None = None,
+    with_out: bool = True,
+    workspace_bytes: int = 1 << 22,
+) -> Case:
+    """Build a random case.
+
+    page_size 0 means ragged K/V. kv_layout: "nhd" (storage (pages, page_size, Hkv, D) permuted),
+    "hnd" (contiguous (pages, Hkv, page_size, D)), "interleaved" (K and V views of one
+    (pages, 2, page_size, Hkv, D) buffer). offsets: "none", "elements" or "tokens".
+    lse_layout: "padded" ((B, max_q, Hq)) or "packed" ((rows, Hq) with batch_offsets_stats).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    dvo = dqk if dvo is None else dvo
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    bsz = len(lens_q)
+    max_q = max(lens_q + [1]) if max_q is None else max_q
+    max_kv = max(lens_kv + [1]) if max_kv is None else max_kv
+    use_offsets = offsets != "none"
+    q_start, rows_q = _starts(lens_q, gen, gaps and use_offsets)
+    if use_offsets and gaps:
+        o_start, rows_o = _starts(lens_q, gen, True)
+    else:
+        o_start, rows_o = q_start, rows_q
+    q = _rand((rows_q, hq, dqk), dtype, gen, device)
+    kwargs: dict = dict(q=q, scale=scale if scale is not None else 1.0 / math.sqrt(dqk),
+                        max_token_per_sequence=max_q, max_sequence_kv=max_kv, causal=causal,
+                        return_lse=return_lse)
+    info: dict = {"page_size": page_size}
+    if page_size > 0:
+        pages_per_seq = [-(-n // page_size) for n in lens_kv]
+        width = max(pages_per_seq + [0]) + extra_table_cols
+        num_pages = sum(pages_per_seq) + 3
+        if kv_layout == "nhd":
+            k = _rand((num_pages, page_size, hkv, dqk), kv_dtype, gen, device).permute(0, 2, 1, 3)
+            v = _rand((num_pages, page_size, hkv, dvo), kv_dtype, gen, device).permute(0, 2, 1, 3)
+        elif kv_layout == "hnd":
+            k = _rand((num_pages, hkv, page_size, dqk), kv_dtype, gen, device)
+            v = _rand((num_pages, hkv, page_size, dvo), kv_dtype, gen, device)
+        elif kv_layout == "interleaved":
+            assert dqk == dvo
+            kv = _rand((num_pages, 2, page_size, hkv, dqk), kv_dtype, gen, device)
+            k, v = kv[:, 0].permute(0, 2, 1, 3), kv[:, 1].permute(0, 2, 1, 3)
+        else:
+            raise AssertionError(kv_layout)
+        perm = torch.randperm(num_pages, generator=gen).tolist()
+        table = torch.full((bsz, width), -7, dtype=torch.int32)  # unused entries: garbage
+        it = iter(perm)
+        for b, n in enumerate(pages_per_seq):
+            for j in range(n):
+                table[b, j] = next(it)
+        kwargs.update(k_cache=k, v_cache=v, block_tables=table.to(device))
+        info["block_tables"] = table
+    else:
+        k_start, rows_k = _starts(lens_kv, gen, gaps and use_offsets)
+        k = _rand((rows_k, hkv, dqk), kv_dtype, gen, device)
+        v = _rand((rows_k, hkv, dvo), kv_dtype, gen, device)
+        kwargs.update(k_cache=k, v_cache=v)
+        info["k_start"] = k_start
+    if dtype in FP8:
+        kwargs["q_scale"] = torch.tensor([0.5 + torch.rand(1, generator=gen).item()], device=device)
+    if kv_dtype in FP8:
+        kwargs["k_scale"] = torch.tensor([0.05 + 0.1 * torch.rand(1, generator=gen).item()], device=device)
+        kwargs["v_scale"] = torch.tensor([0.05 + 0.1 * torch.rand(1, generator=gen).item()], device=device)
+
+    lens_dev = device if lens_on_device else "cpu"
+    kwargs["actual_seq_lens_q"] = torch.tensor(lens_q, dtype=torch.int32, device=lens_dev)
+    kwargs["actual_seq_lens_kv"] = torch.tensor(lens_kv, dtype=torch.int32, device=lens_dev)
+
+    def off(starts: list[int], last: int, per_token: int) -> torch.Tensor:
+        vals = starts + [last]
+        if offsets == "elements":
+            vals = [x * per_token for x in vals]
+        return torch.tensor(vals, dtype=torch.int32, device=lens_dev)
+
+    if use_offsets:
+        kwargs["batch_offsets_units"] = offsets
+        kwargs["batch_offsets_q"] = off(q_start, rows_q, hq * dqk)
+        kwargs["batch_offsets_o"] = off(o_start, rows_o, hq * dvo)
+        if page_size == 0:
+            kwargs["batch_offsets_k"] = off(info["k_start"], k.shape[0], hkv * dqk)
+            kwargs["batch_offsets_v"] = off(info["k_start"], k.shape[0], hkv * dvo)
+    lse_start = None
+    if return_lse and lse_layout == "packed":
+        lse_start_tok, rows_l = _starts(lens_q, gen, True)
+        unit = "elements" if offsets == "none" else offsets
+        kwargs["batch_offsets_units"] = unit
+        per_tok = hq if unit == "elements" else 1
+        kwargs["batch_offsets_stats"] = torch.tensor([x * per_tok for x in lse_start_tok + [rows_l]],
+                                                     dtype=torch.int32, device=lens_dev)
+        lse_start = [x * hq for x in lse_start_tok]
+        info["lse_rows"] = rows_l
+    if with_out:
+        out_dtype = torch.bfloat16 if dtype in FP8 else dtype
+        kwargs["out"] = poison(torch.empty((rows_o, hq, dvo), dtype=out_dtype, device=device))
+        if return_lse:
+            shape = (info["lse_rows"], hq) if lse_layout == "packed" else (bsz, max_q, hq)
+            kwargs["lse"] = poison(torch.empty(shape, dtype=torch.float32, device=device))
+    kwargs["workspace_buffer"] = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
+    return Case(kwargs, list(lens_q), list(lens_kv), q_start, o_start, lse_start, info)
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill with NaN so that an unwritten covered element fails and a stray write is visible."""
+    return t.fill_(float("nan"))
+
+
+def _dequant(t: torch.Tensor, s) -> torch.Tensor:
+    t = t.cpu().to(torch.float64)
+    return t * float(s.item()) if isinstance(s, torch.Tensor) else t
+
+
+def reference(case: Case) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """float64 results: {out row: (Hq, Dvo)} and {flat lse offset of the row: (Hq,)} for covered rows."""
+    kw = case.kwargs
+    q = _dequant(kw["q"], kw.get("q_scale"))
+    k = _dequant(kw["k_cache"], kw.get("k_scale"))
+    v = _dequant(kw["v_cache"], kw.get("v_scale"))
+    hq, hkv = q.shape[1], k.shape[1]
+    group = hq // hkv
+    max_q = kw["max_token_per_sequence"]
+    outs, lses = {}, {}
+    for b, (lq, lkv) in enumerate(zip(case.lens_q, case.lens_kv)):
+        if lq == 0:
+            continue
+        if case.info["page_size"] > 0:
+            ps = case.info["page_size"]
+            table = case.info["block_tables"][b]
+            pages = torch.tensor([int(table[j // ps]) for j in range(lkv)], dtype=torch.long)
+            slots = torch.tensor([j % ps for j in range(lkv)], dtype=torch.long)
+            kb = k[pages, :, slots, :]  # (lkv, Hkv, D)
+            vb = v[pages, :, slots, :]
+        else:
+            s0 = case.info["k_start"][b]
+            kb, vb = k[s0 : s0 + lkv], v[s0 : s0 + lkv]
+        qb = q[case.q_start[b] : case.q_start[b] + lq]
+        for i in range(lq):
+            visible = lkv if not kw["causal"] else max(0, min(lkv, i + lkv - lq + 1))
+            o = torch.zeros(hq, v.shape[-1], dtype=torch.float64)
+            lse = torch.full((hq,), -math.inf, dtype=torch.float64)
+            if visible > 0:
+                kh = kb[:visible].repeat_interleave(group, dim=1)  # (vis, Hq, D)
+                vh = vb[:visible].repeat_interleave(group, dim=1)
+                s = torch.einsum("hd,jhd->hj", qb[i], kh) * kw["scale"]
+                m = s.max(dim=1, keepdim=True).values
+                p = torch.exp(s - m)
+                denom = p.sum(dim=1, keepdim=True)
+                o = torch.einsum("hj,jhd->hd", p / denom, vh)
+                lse = (m + torch.log(denom)).squeeze(1)
+            outs[case.o_start[b] + i] = o
+            lse_off = (case.lse_start[b] if case.lse_start is not None else b * max_q * hq) + i * hq
+            lses[lse_off] = lse
+    return outs, lses
+
+
+def check(case: Case, out: torch.Tensor, lse: torch.Tensor | None, *, atol: float, rtol: float = 0.0,
+          lse_atol: float | None = None) -> None:
+    """Compare a call's results with the oracle; uncovered rows must still hold the poison."""
+    ref_out, ref_lse = reference(case)
+    out_c = out.detach().cpu().to(torch.float64)
+    covered = torch.zeros(out.shape[0], dtype=torch.bool)
+    for row, expected in ref_out.items():
+        covered[row] = True
+        got = out_c[row]
+        assert torch.isfinite(got).all(), f"out row {row} has non-finite values (unwritten?)"
+        err = (got - expected).abs()
+        tol = atol + rtol * expected.abs()
+        assert (err <= tol).all(), f"out row {row}: max error {err.max().item():.3g} > tol (atol {atol})"
+    if case.kwargs.get("out") is not None:
+        assert torch.isnan(out_c[~covered]).all(), "an uncovered out row was written"
+    else:
+        assert (out_c[~covered] == 0).all(), "uncovered rows of an allocated out must be 0"
+    if case.kwargs["return_lse"]:
+        assert lse is not None
+        flat = lse.detach().cpu().reshape(-1).to(torch.float64)
+        hq = out.shape[1]
+        touched = torch.zeros(flat.numel(), dtype=torch.bool)
+        latol = atol if lse_atol is None else lse_atol
+        for off, expected in ref_lse.items():
+            touched[off : off + hq] = True
+            got = flat[off : off + hq]
+            inf = torch.isinf(expected)
+            assert (torch.isinf(got) == inf).all() and (got[inf] < 0).all(), f"lse at {off}: -inf mismatch"
+            assert ((got[~inf] - expected[~inf]).abs() <= latol).all(), (
+                f"lse at {off}: max error {(got[~inf] - expected[~inf]).abs().max().item():.3g}")
+        if case.kwargs.get("lse") is not None:
+            assert torch.isnan(flat[~touched]).all(), "an uncovered lse entry was written"
+        else:
+            assert (torch.isinf(flat[~touched]) & (flat[~touched] < 0)).all(), (
+                "uncovered entries of an allocated lse must be -inf")
+    else:
+        assert lse is None
