@@ -95,9 +95,14 @@ def make_case(
     else:
         o_start, rows_o = q_start, rows_q
     q = _rand((rows_q, hq, dqk), dtype, gen, device)
-    kwargs: dict = dict(q=q, scale=scale if scale is not None else 1.0 / math.sqrt(dqk),
-                        max_token_per_sequence=max_q, max_sequence_kv=max_kv, causal=causal,
-                        return_lse=return_lse)
+    kwargs: dict = dict(
+        q=q,
+        scale=scale if scale is not None else 1.0 / math.sqrt(dqk),
+        max_token_per_sequence=max_q,
+        max_sequence_kv=max_kv,
+        causal=causal,
+        return_lse=return_lse,
+    )
     info: dict = {"page_size": page_size}
     if page_size > 0:
         pages_per_seq = [-(-n // page_size) for n in lens_kv]
@@ -158,8 +163,9 @@ def make_case(
         unit = "elements" if offsets == "none" else offsets
         kwargs["batch_offsets_units"] = unit
         per_tok = hq if unit == "elements" else 1
-        kwargs["batch_offsets_stats"] = torch.tensor([x * per_tok for x in lse_start_tok + [rows_l]],
-                                                     dtype=torch.int32, device=lens_dev)
+        kwargs["batch_offsets_stats"] = torch.tensor(
+            [x * per_tok for x in lse_start_tok + [rows_l]], dtype=torch.int32, device=lens_dev
+        )
         lse_start = [x * hq for x in lse_start_tok]
         info["lse_rows"] = rows_l
     if with_out:
@@ -225,8 +231,15 @@ def reference(case: Case) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tens
     return outs, lses
 
 
-def check(case: Case, out: torch.Tensor, lse: torch.Tensor | None, *, atol: float, rtol: float = 0.0,
-          lse_atol: float | None = None) -> None:
+def check(
+    case: Case,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    *,
+    atol: float,
+    rtol: float = 0.0,
+    lse_atol: float | None = None,
+) -> None:
     """Compare a call's results with the oracle; uncovered rows must still hold the poison."""
     ref_out, ref_lse = reference(case)
     out_c = out.detach().cpu().to(torch.float64)
@@ -254,11 +267,13 @@ def check(case: Case, out: torch.Tensor, lse: torch.Tensor | None, *, atol: floa
             inf = torch.isinf(expected)
             assert (torch.isinf(got) == inf).all() and (got[inf] < 0).all(), f"lse at {off}: -inf mismatch"
             assert ((got[~inf] - expected[~inf]).abs() <= latol).all(), (
-                f"lse at {off}: max error {(got[~inf] - expected[~inf]).abs().max().item():.3g}")
+                f"lse at {off}: max error {(got[~inf] - expected[~inf]).abs().max().item():.3g}"
+            )
         if case.kwargs.get("lse") is not None:
             assert torch.isnan(flat[~touched]).all(), "an uncovered lse entry was written"
         else:
             assert (torch.isinf(flat[~touched]) & (flat[~touched] < 0)).all(), (
-                "uncovered entries of an allocated lse must be -inf")
+                "uncovered entries of an allocated lse must be -inf"
+            )
     else:
         assert lse is None

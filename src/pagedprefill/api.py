@@ -205,13 +205,24 @@ def cudnn_batch_prefill_with_kv_cache(
         lse -inf.
     """
     batch = _normalise(
-        q, k_cache, v_cache, scale, workspace_buffer,
-        max_q=max_token_per_sequence, max_kv=max_sequence_kv,
-        lens_q=actual_seq_lens_q, lens_kv=actual_seq_lens_kv, block_tables=block_tables,
-        causal=causal, return_lse=return_lse, scales=(q_scale, k_scale, v_scale),
-        offsets=(batch_offsets_q, batch_offsets_o, batch_offsets_k, batch_offsets_v,
-                 batch_offsets_stats),
-        units=batch_offsets_units, out=out, lse=lse, graph_mode=is_cuda_graph_compatible,
+        q,
+        k_cache,
+        v_cache,
+        scale,
+        workspace_buffer,
+        max_q=max_token_per_sequence,
+        max_kv=max_sequence_kv,
+        lens_q=actual_seq_lens_q,
+        lens_kv=actual_seq_lens_kv,
+        block_tables=block_tables,
+        causal=causal,
+        return_lse=return_lse,
+        scales=(q_scale, k_scale, v_scale),
+        offsets=(batch_offsets_q, batch_offsets_o, batch_offsets_k, batch_offsets_v, batch_offsets_stats),
+        units=batch_offsets_units,
+        out=out,
+        lse=lse,
+        graph_mode=is_cuda_graph_compatible,
         o_data_type=o_data_type,
     )
     module = _select_backend(backend, batch)
@@ -221,7 +232,9 @@ def cudnn_batch_prefill_with_kv_cache(
     return batch.extras["out_user_view"], lse_ret
 
 
-def batch_prefill_with_kv_cache(*args, backend: str | None = "auto", **kwargs) -> tuple[Tensor, Tensor | None]:
+def batch_prefill_with_kv_cache(
+    *args, backend: str | None = "auto", **kwargs
+) -> tuple[Tensor, Tensor | None]:
     """:func:`cudnn_batch_prefill_with_kv_cache` with ``backend="auto"`` by default."""
     return cudnn_batch_prefill_with_kv_cache(*args, backend=backend, **kwargs)
 
@@ -274,8 +287,12 @@ def _vector(name: str, t: object, length: int | None, device: torch.device, grap
     if t.device.type != "cpu" and not _same_device(t.device, device):
         raise _fail(name, f"a tensor on the CPU or on q's device {device}", f"one on {t.device}")
     if graph_mode and device.type == "cuda" and t.device.type == "cpu":
-        raise _fail(name, "a tensor on q's device when is_cuda_graph_compatible=True "
-                    "(a CPU tensor would be baked into the captured graph)", "one on the CPU")
+        raise _fail(
+            name,
+            "a tensor on q's device when is_cuda_graph_compatible=True "
+            "(a CPU tensor would be baked into the captured graph)",
+            "one on the CPU",
+        )
     return t.reshape(-1)
 
 
@@ -311,11 +328,26 @@ def _int_arg(name: str, x: object, minimum: int) -> int:
 
 
 def _normalise(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, workspace: Tensor, *,
-    max_q: int, max_kv: int, lens_q: Tensor | None, lens_kv: Tensor | None,
-    block_tables: Tensor | None, causal: bool, return_lse: bool,
-    scales: tuple, offsets: tuple, units: str, out: Tensor | None, lse: Tensor | None,
-    graph_mode: bool, o_data_type: torch.dtype | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    workspace: Tensor,
+    *,
+    max_q: int,
+    max_kv: int,
+    lens_q: Tensor | None,
+    lens_kv: Tensor | None,
+    block_tables: Tensor | None,
+    causal: bool,
+    return_lse: bool,
+    scales: tuple,
+    offsets: tuple,
+    units: str,
+    out: Tensor | None,
+    lse: Tensor | None,
+    graph_mode: bool,
+    o_data_type: torch.dtype | None,
 ) -> PrefillBatch:
     q = _check_tensor("q", q, 3)
     dev = q.device
@@ -326,8 +358,11 @@ def _normalise(
         raise _fail("q", "at least one head and a head dim > 0", f"shape {tuple(q.shape)}")
     paged = block_tables is not None
     kv_rank = 4 if paged else 3
-    layout = ("paged (num_pages, Hkv, page_size, D) because block_tables is given" if paged
-              else "ragged (total_kv_tokens, Hkv, D) because block_tables is None")
+    layout = (
+        "paged (num_pages, Hkv, page_size, D) because block_tables is given"
+        if paged
+        else "ragged (total_kv_tokens, Hkv, D) because block_tables is None"
+    )
     for name, t in (("k_cache", k), ("v_cache", v)):
         if isinstance(t, Tensor) and t.dim() != kv_rank:
             raise _fail(name, f"rank {kv_rank}: {layout}", f"rank {t.dim()} ({_describe(t)})")
@@ -337,8 +372,11 @@ def _normalise(
     if v.shape[1] != hkv:
         raise _fail("v_cache", f"{hkv} KV heads (as k_cache, dim 1)", f"{v.shape[1]} ({_describe(v)})")
     if hkv == 0 or hq % hkv != 0:
-        raise _fail("q", f"a number of query heads divisible by the {hkv} KV heads of k_cache "
-                    "(GQA/MQA)", f"{hq} query heads")
+        raise _fail(
+            "q",
+            f"a number of query heads divisible by the {hkv} KV heads of k_cache (GQA/MQA)",
+            f"{hq} query heads",
+        )
     if k.shape[-1] != dqk:
         raise _fail("k_cache", f"head dim {dqk} (q's last dim)", f"{k.shape[-1]} ({_describe(k)})")
     dvo = v.shape[-1]
@@ -346,8 +384,11 @@ def _normalise(
         raise _fail("v_cache", "a head dim > 0", f"shape {tuple(v.shape)}")
     if paged:
         if v.shape[0] != k.shape[0] or v.shape[2] != k.shape[2]:
-            raise _fail("v_cache", f"(num_pages, page_size) = ({k.shape[0]}, {k.shape[2]}) as k_cache",
-                        f"({v.shape[0]}, {v.shape[2]})")
+            raise _fail(
+                "v_cache",
+                f"(num_pages, page_size) = ({k.shape[0]}, {k.shape[2]}) as k_cache",
+                f"({v.shape[0]}, {v.shape[2]})",
+            )
         page_size = k.shape[2]
         if page_size == 0:
             raise _fail("k_cache", "page_size >= 1 (dim 2)", f"shape {tuple(k.shape)}")
@@ -365,8 +406,11 @@ def _normalise(
     q_scale, k_scale, v_scale = (
         _scale_tensor(n, s, dev, graph_mode) for n, s in zip(("q_scale", "k_scale", "v_scale"), scales)
     )
-    for name, is_fp8, s, t in (("q_scale", q_fp8, q_scale, q), ("k_scale", k_fp8, k_scale, k),
-                               ("v_scale", v_fp8, v_scale, v)):
+    for name, is_fp8, s, t in (
+        ("q_scale", q_fp8, q_scale, q),
+        ("k_scale", k_fp8, k_scale, k),
+        ("v_scale", v_fp8, v_scale, v),
+    ):
         if is_fp8 and s is None:
             raise _fail(name, f"a float32 scale tensor because {name[0]} is {t.dtype}", None)
     if o_data_type is None:
@@ -396,11 +440,16 @@ def _normalise(
         if block_tables.dtype not in LENGTH_DTYPES:
             raise _fail("block_tables", "dtype int32", block_tables.dtype)
         if block_tables.shape[0] != bsz:
-            raise _fail("block_tables", f"{bsz} rows (one per sequence)", f"shape {tuple(block_tables.shape)}")
+            raise _fail(
+                "block_tables", f"{bsz} rows (one per sequence)", f"shape {tuple(block_tables.shape)}"
+            )
         if block_tables.device.type == "cpu" and dev.type != "cpu":
             if graph_mode:
-                raise _fail("block_tables", "a tensor on q's device when is_cuda_graph_compatible=True",
-                            "one on the CPU")
+                raise _fail(
+                    "block_tables",
+                    "a tensor on q's device when is_cuda_graph_compatible=True",
+                    "one on the CPU",
+                )
         elif not _same_device(block_tables.device, dev):
             raise _fail("block_tables", f"a tensor on q's device {dev}", f"one on {block_tables.device}")
     offs = {}
@@ -439,8 +488,11 @@ def _normalise(
             if not lse.is_contiguous():
                 raise _fail("lse", "a contiguous tensor", f"strides {tuple(lse.stride())}")
             if "stats" not in offs and tuple(lse.shape) != (bsz, max_q, hq):
-                raise _fail("lse", f"shape (B, max_token_per_sequence, Hq) = ({bsz}, {max_q}, {hq})",
-                            f"shape {tuple(lse.shape)}")
+                raise _fail(
+                    "lse",
+                    f"shape (B, max_token_per_sequence, Hq) = ({bsz}, {max_q}, {hq})",
+                    f"shape {tuple(lse.shape)}",
+                )
             lse_user = lse
         elif "stats" in offs:
             lse_user = torch.full((rows_q, hq), -math.inf, dtype=torch.float32, device=dev)
@@ -460,14 +512,39 @@ def _normalise(
     ws = workspace.view(-1).view(torch.uint8) if workspace.numel() else workspace.view(torch.uint8)
 
     batch = PrefillBatch(
-        q=q, k=k, v=v, out=out, lse=lse_flat, meta=ws[:0], block_tables=block_tables, scratch=ws[:0],
-        batch_size=bsz, max_q=max_q, max_kv=max_kv, num_qo_heads=hq, num_kv_heads=hkv,
-        head_dim_qk=dqk, head_dim_vo=dvo, page_size=page_size, scale=float(scale), causal=causal,
-        out_dtype=o_data_type, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
-        lse_packed="stats" in offs, graph_mode=graph_mode,
+        q=q,
+        k=k,
+        v=v,
+        out=out,
+        lse=lse_flat,
+        meta=ws[:0],
+        block_tables=block_tables,
+        scratch=ws[:0],
+        batch_size=bsz,
+        max_q=max_q,
+        max_kv=max_kv,
+        num_qo_heads=hq,
+        num_kv_heads=hkv,
+        head_dim_qk=dqk,
+        head_dim_vo=dvo,
+        page_size=page_size,
+        scale=float(scale),
+        causal=causal,
+        out_dtype=o_data_type,
+        q_scale=q_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        lse_packed="stats" in offs,
+        graph_mode=graph_mode,
     )
-    batch.extras.update(out_user_view=out_user, lse_user_view=lse_user, workspace=ws,
-                        raw_lens=(lens_q, lens_kv), raw_offsets=offs, units=units)
+    batch.extras.update(
+        out_user_view=out_user,
+        lse_user_view=lse_user,
+        workspace=ws,
+        raw_lens=(lens_q, lens_kv),
+        raw_offsets=offs,
+        units=units,
+    )
     if graph_mode and dev.type == "cuda":
         batch.host = None
     else:
@@ -500,8 +577,13 @@ def _host_metadata(batch: PrefillBatch) -> HostMetadata:
             if n > limit:
                 raise _fail(name, f"lengths <= {limit_name} = {limit}", f"{n} at index {b}")
 
-    per_token = {"q": hq * batch.head_dim_qk, "o": hq * batch.head_dim_vo,
-                 "k": hkv * batch.head_dim_qk, "v": hkv * batch.head_dim_vo, "stats": hq}
+    per_token = {
+        "q": hq * batch.head_dim_qk,
+        "o": hq * batch.head_dim_vo,
+        "k": hkv * batch.head_dim_qk,
+        "v": hkv * batch.head_dim_vo,
+        "stats": hq,
+    }
 
     def starts(name: str) -> list[int] | None:
         t = offs.get(name)
@@ -512,8 +594,11 @@ def _host_metadata(batch: PrefillBatch) -> HostMetadata:
             unit = per_token[name]
             for b, x in enumerate(vals):
                 if x % unit:
-                    raise _fail(f"batch_offsets_{name}", f"element offsets that are whole tokens "
-                                f"(multiples of {unit} = H x D of that tensor)", f"{x} at index {b}")
+                    raise _fail(
+                        f"batch_offsets_{name}",
+                        f"element offsets that are whole tokens (multiples of {unit} = H x D of that tensor)",
+                        f"{x} at index {b}",
+                    )
             vals = [x // unit for x in vals]
         for b, x in enumerate(vals):
             if x < 0:
@@ -537,8 +622,12 @@ def _host_metadata(batch: PrefillBatch) -> HostMetadata:
     def check_rows(arg: str, what: str, start: list[int], lens: list[int], rows: int) -> None:
         for b in range(bsz):
             if lens[b] and start[b] + lens[b] > rows:
-                raise _fail(arg, f"{what} with at least {start[b] + lens[b]} rows for sequence {b} "
-                            f"(starts at row {start[b]}, length {lens[b]})", f"{rows} rows")
+                raise _fail(
+                    arg,
+                    f"{what} with at least {start[b] + lens[b]} rows for sequence {b} "
+                    f"(starts at row {start[b]}, length {lens[b]})",
+                    f"{rows} rows",
+                )
 
     check_rows("q", "a q", q_start, lens_q, batch.q.shape[0])
     check_rows("out", "an out", o_start, lens_q, batch.out.shape[0])
@@ -549,27 +638,33 @@ def _host_metadata(batch: PrefillBatch) -> HostMetadata:
         n = batch.lse.numel()
         for b in range(bsz):
             if lens_q[b] and lse_start[b] + lens_q[b] * hq > n:
-                raise _fail("lse", f"a buffer of at least {lse_start[b] + lens_q[b] * hq} elements "
-                            f"for sequence {b}", f"{n} elements")
+                raise _fail(
+                    "lse",
+                    f"a buffer of at least {lse_start[b] + lens_q[b] * hq} elements for sequence {b}",
+                    f"{n} elements",
+                )
     table = None
     if batch.paged:
         width = batch.block_tables.shape[1]
         for b in range(bsz):
             need = -(-lens_kv[b] // batch.page_size)
             if need > width:
-                raise _fail("actual_seq_lens_kv", f"at most block_tables width x page_size = "
-                            f"{width} x {batch.page_size} = {width * batch.page_size} keys",
-                            f"{lens_kv[b]} at index {b}")
+                raise _fail(
+                    "actual_seq_lens_kv",
+                    f"at most block_tables width x page_size = "
+                    f"{width} x {batch.page_size} = {width * batch.page_size} keys",
+                    f"{lens_kv[b]} at index {b}",
+                )
         if batch.block_tables.device.type == "cpu":
             table = batch.block_tables.tolist()
             num_pages = batch.k.shape[0]
             for b in range(bsz):
                 for j in range(-(-lens_kv[b] // batch.page_size)):
                     if not 0 <= table[b][j] < num_pages:
-                        raise _fail("block_tables", f"page ids in [0, {num_pages})",
-                                    f"{table[b][j]} at [{b}, {j}]")
-    for name, vals in (("q", q_start), ("o", o_start), ("k", k_start), ("v", v_start),
-                       ("stats", lse_start)):
+                        raise _fail(
+                            "block_tables", f"page ids in [0, {num_pages})", f"{table[b][j]} at [{b}, {j}]"
+                        )
+    for name, vals in (("q", q_start), ("o", o_start), ("k", k_start), ("v", v_start), ("stats", lse_start)):
         if vals and max(vals) > INT32_MAX:
             raise _fail(f"batch_offsets_{name}", f"offsets below {INT32_MAX}", max(vals))
     return HostMetadata(lens_q, lens_kv, q_start, o_start, k_start, v_start, lse_start, table)
@@ -588,8 +683,13 @@ def _device_metadata(batch: PrefillBatch, meta: Tensor) -> None:
     lens_q_raw, lens_kv_raw = (t.to(device=meta.device, dtype=torch.int64) for t in ex["raw_lens"])
     lens_q = lens_q_raw.clamp(0, batch.max_q)
     lens_kv = lens_kv_raw.clamp(0, batch.max_kv)
-    per_token = {"q": hq * batch.head_dim_qk, "o": hq * batch.head_dim_vo,
-                 "k": hkv * batch.head_dim_qk, "v": hkv * batch.head_dim_vo, "stats": hq}
+    per_token = {
+        "q": hq * batch.head_dim_qk,
+        "o": hq * batch.head_dim_vo,
+        "k": hkv * batch.head_dim_qk,
+        "v": hkv * batch.head_dim_vo,
+        "stats": hq,
+    }
 
     def starts(name: str, lens: Tensor) -> Tensor:
         t = offs.get(name)
@@ -617,8 +717,9 @@ def _device_metadata(batch: PrefillBatch, meta: Tensor) -> None:
         lse_start = zeros
     elif batch.lse_packed:
         lse_start = starts("stats", lens_q) * hq
-        lens_q = torch.minimum(lens_q, torch.div(batch.lse.numel() - lse_start, hq,
-                                                 rounding_mode="floor").clamp(min=0))
+        lens_q = torch.minimum(
+            lens_q, torch.div(batch.lse.numel() - lse_start, hq, rounding_mode="floor").clamp(min=0)
+        )
     else:
         lse_start = torch.arange(batch.batch_size, device=meta.device, dtype=torch.int64) * (batch.max_q * hq)
     rows = (lens_q, lens_kv, q_start, o_start, k_start, v_start, lse_start)
@@ -631,9 +732,12 @@ def _fill_metadata(batch: PrefillBatch, module: ModuleType) -> None:
     mbytes = meta_bytes(batch.batch_size)
     need = mbytes + int(module.workspace_bytes(batch))
     if ws.numel() < need:
-        raise _fail("workspace_buffer", f"at least {need} bytes for this call "
-                    f"({mbytes} for metadata + {need - mbytes} for the {module.NAME} backend)",
-                    f"{ws.numel()} bytes")
+        raise _fail(
+            "workspace_buffer",
+            f"at least {need} bytes for this call "
+            f"({mbytes} for metadata + {need - mbytes} for the {module.NAME} backend)",
+            f"{ws.numel()} bytes",
+        )
     bsz = batch.batch_size
     batch.meta = ws[: len(META_FIELDS) * bsz * 4].view(torch.int32).view(len(META_FIELDS), bsz)
     batch.scratch = ws[mbytes:]
@@ -641,8 +745,9 @@ def _fill_metadata(batch: PrefillBatch, module: ModuleType) -> None:
     if h is None:
         _device_metadata(batch, batch.meta)
     elif bsz:
-        table = torch.tensor([h.lens_q, h.lens_kv, h.q_start, h.o_start, h.k_start, h.v_start,
-                              h.lse_start], dtype=torch.int32)
+        table = torch.tensor(
+            [h.lens_q, h.lens_kv, h.q_start, h.o_start, h.k_start, h.v_start, h.lse_start], dtype=torch.int32
+        )
         batch.meta.copy_(table, non_blocking=False)
     if batch.paged and batch.block_tables.device != batch.device:
         batch.block_tables = batch.block_tables.to(batch.device)

@@ -22,8 +22,10 @@ def unavailable_reason(device: torch.device) -> str | None:
 
 def unsupported_reason(batch: PrefillBatch) -> str | None:
     if batch.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return ("the torch reference backend reads lengths back to the host and cannot be captured "
-                "in a CUDA graph; use backend='triton' or 'cudnn'")
+        return (
+            "the torch reference backend reads lengths back to the host and cannot be captured "
+            "in a CUDA graph; use backend='triton' or 'cudnn'"
+        )
     return None
 
 
