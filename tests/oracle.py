@@ -277,3 +277,47 @@ def check(
             )
     else:
         assert lse is None
+
+
+def reference_rows(case: Case, rows: list[tuple[int, int]]) -> dict[tuple[int, int], tuple]:
+    """float64 results for selected query rows only: {(b, i): (out (Hq, Dvo), lse (Hq,))}.
+
+    Same math as :func:`reference`, but K/V are materialised once per sequence and only the
+    requested rows are computed, so long sequences (16k tokens) stay cheap.
+    """
+    kw = case.kwargs
+    q = _dequant(kw["q"], kw.get("q_scale"))
+    k = _dequant(kw["k_cache"], kw.get("k_scale"))
+    v = _dequant(kw["v_cache"], kw.get("v_scale"))
+    hq, hkv = q.shape[1], k.shape[1]
+    group = hq // hkv
+    by_seq: dict[int, list[int]] = {}
+    for b, i in rows:
+        assert 0 <= i < case.lens_q[b], (b, i)
+        by_seq.setdefault(b, []).append(i)
+    result = {}
+    for b, idx in by_seq.items():
+        lq, lkv = case.lens_q[b], case.lens_kv[b]
+        if case.info["page_size"] > 0:
+            ps = case.info["page_size"]
+            j = torch.arange(lkv)
+            pages = case.info["block_tables"][b].long()[j // ps]
+            kb, vb = k[pages, :, j % ps, :], v[pages, :, j % ps, :]  # (lkv, Hkv, D)
+        else:
+            s0 = case.info["k_start"][b]
+            kb, vb = k[s0 : s0 + lkv], v[s0 : s0 + lkv]
+        kh = kb.repeat_interleave(group, dim=1)  # (lkv, Hq, D)
+        vh = vb.repeat_interleave(group, dim=1)
+        for i in idx:
+            visible = lkv if not kw["causal"] else max(0, min(lkv, i + lkv - lq + 1))
+            o = torch.zeros(hq, v.shape[-1], dtype=torch.float64)
+            lse = torch.full((hq,), -math.inf, dtype=torch.float64)
+            if visible > 0:
+                s = torch.einsum("hd,jhd->hj", q[case.q_start[b] + i], kh[:visible]) * kw["scale"]
+                m = s.max(dim=1, keepdim=True).values
+                p = torch.exp(s - m)
+                denom = p.sum(dim=1, keepdim=True)
+                o = torch.einsum("hj,jhd->hd", p / denom, vh[:visible])
+                lse = (m + torch.log(denom)).squeeze(1)
+            result[(b, i)] = (o, lse)
+    return result

@@ -56,7 +56,6 @@ class HostMetadata:
     k_start: list[int]  # ragged K rows (all zeros when paged)
     v_start: list[int]
     lse_start: list[int]  # element offsets into the flat lse buffer (zeros when no lse)
-    block_tables: list[list[int]] | None = None  # only when the table was given on the CPU
 
 
 @dataclass
@@ -414,7 +413,9 @@ def _normalise(
         if is_fp8 and s is None:
             raise _fail(name, f"a float32 scale tensor because {name[0]} is {t.dtype}", None)
     if o_data_type is None:
-        o_data_type = out.dtype if out is not None else (torch.bfloat16 if q_fp8 else q.dtype)
+        if isinstance(out, Tensor) and out.dtype not in OUT_DTYPES:
+            raise _fail("out", "dtype float16, bfloat16 or float32", out.dtype)
+        o_data_type = out.dtype if isinstance(out, Tensor) else (torch.bfloat16 if q_fp8 else q.dtype)
     if o_data_type not in OUT_DTYPES:
         raise _fail("o_data_type", "torch.float16, torch.bfloat16 or torch.float32", o_data_type)
 
@@ -471,7 +472,10 @@ def _normalise(
             raise _fail("out", f"dtype {o_data_type} (o_data_type)", out.dtype)
         out_user = out
     else:
-        out_user = torch.zeros((rows_q, hq, dvo), dtype=o_data_type, device=dev)
+        rows_o = _alloc_rows(
+            rows_q, offs.get("o"), lens_q, hq * dvo, units, graph_mode and dev.type == "cuda"
+        )
+        out_user = torch.zeros((rows_o, hq, dvo), dtype=o_data_type, device=dev)
         out = out_user
 
     # lse
@@ -495,7 +499,8 @@ def _normalise(
                 )
             lse_user = lse
         elif "stats" in offs:
-            lse_user = torch.full((rows_q, hq), -math.inf, dtype=torch.float32, device=dev)
+            rows_l = _alloc_rows(rows_q, offs["stats"], lens_q, hq, units, graph_mode and dev.type == "cuda")
+            lse_user = torch.full((rows_l, hq), -math.inf, dtype=torch.float32, device=dev)
         else:
             lse_user = torch.full((bsz, max_q, hq), -math.inf, dtype=torch.float32, device=dev)
         lse_flat = lse_user.view(-1)
@@ -550,6 +555,20 @@ def _normalise(
     else:
         batch.host = _host_metadata(batch)
     return batch
+
+
+def _alloc_rows(rows: int, offsets: Tensor | None, lens_q: Tensor, unit: int, units: str, graph: bool) -> int:
+    """Rows of an out / packed-lse buffer the function allocates itself: q's rows, or more where
+    the given batch offsets place sequences further (not known without a sync in CUDA-graph mode,
+    where the device metadata clamps instead)."""
+    if offsets is None or graph:
+        return rows
+    starts = offsets[:-1].cpu().to(torch.int64)
+    if units == "elements":
+        starts = torch.div(starts, unit, rounding_mode="floor")  # non-whole tokens are rejected later
+    lens = lens_q.cpu().to(torch.int64)
+    need = max([rows, *(starts + lens)[lens > 0].tolist()])
+    return need if need * unit <= INT32_MAX else rows  # absurd offsets: let validation name them
 
 
 def _prefix(lens: Sequence[int]) -> list[int]:
@@ -643,7 +662,6 @@ def _host_metadata(batch: PrefillBatch) -> HostMetadata:
                     f"a buffer of at least {lse_start[b] + lens_q[b] * hq} elements for sequence {b}",
                     f"{n} elements",
                 )
-    table = None
     if batch.paged:
         width = batch.block_tables.shape[1]
         for b in range(bsz):
@@ -656,18 +674,21 @@ def _host_metadata(batch: PrefillBatch) -> HostMetadata:
                     f"{lens_kv[b]} at index {b}",
                 )
         if batch.block_tables.device.type == "cpu":
-            table = batch.block_tables.tolist()
             num_pages = batch.k.shape[0]
-            for b in range(bsz):
-                for j in range(-(-lens_kv[b] // batch.page_size)):
-                    if not 0 <= table[b][j] < num_pages:
-                        raise _fail(
-                            "block_tables", f"page ids in [0, {num_pages})", f"{table[b][j]} at [{b}, {j}]"
-                        )
+            need = torch.tensor([-(-n // batch.page_size) for n in lens_kv], dtype=torch.int64)
+            used = torch.arange(width).view(1, -1) < need.view(-1, 1)
+            bad = used & ((batch.block_tables < 0) | (batch.block_tables >= num_pages))
+            if bool(bad.any()):
+                b, j = (int(x) for x in bad.nonzero()[0])
+                raise _fail(
+                    "block_tables",
+                    f"page ids in [0, {num_pages})",
+                    f"{int(batch.block_tables[b, j])} at [{b}, {j}]",
+                )
     for name, vals in (("q", q_start), ("o", o_start), ("k", k_start), ("v", v_start), ("stats", lse_start)):
         if vals and max(vals) > INT32_MAX:
             raise _fail(f"batch_offsets_{name}", f"offsets below {INT32_MAX}", max(vals))
-    return HostMetadata(lens_q, lens_kv, q_start, o_start, k_start, v_start, lse_start, table)
+    return HostMetadata(lens_q, lens_kv, q_start, o_start, k_start, v_start, lse_start)
 
 
 def _device_metadata(batch: PrefillBatch, meta: Tensor) -> None:
@@ -748,9 +769,13 @@ def _fill_metadata(batch: PrefillBatch, module: ModuleType) -> None:
         table = torch.tensor(
             [h.lens_q, h.lens_kv, h.q_start, h.o_start, h.k_start, h.v_start, h.lse_start], dtype=torch.int32
         )
-        batch.meta.copy_(table, non_blocking=False)
+        if batch.meta.is_cuda:
+            # Pinned + non_blocking: no stream sync, so the host can queue work ahead. PyTorch's
+            # pinned-memory cache keeps the block alive until the copy has completed.
+            table = table.pin_memory()
+        batch.meta.copy_(table, non_blocking=batch.meta.is_cuda)
     if batch.paged and batch.block_tables.device != batch.device:
-        batch.block_tables = batch.block_tables.to(batch.device)
+        batch.block_tables = batch.block_tables.to(batch.device, non_blocking=False)
     if batch.paged and batch.block_tables.dtype != torch.int32:
         batch.block_tables = batch.block_tables.to(torch.int32)
 

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device call: install, GPU tests, smoke checks, benchmark. Logs go to $OUT.
+# Usage (on the GPU machine, from the repo root): bash scripts/gpu_session.sh [steps...]
+# steps: tests smoke bench serving (default: all). Extra pytest args via PYTEST_ARGS.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || cat "$OUT/install.log"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+python3 -c "import cudnn; print('cudnn-frontend', cudnn.__version__, 'cudnn', cudnn.backend_version())" 2>&1 | tail -1
+steps=${*:-tests smoke bench}
+for s in $steps; do
+  echo "=== $s $(date +%T)"
+  case $s in
+    tests) timeout 420 python3 -m pytest -q -x -m gpu ${PYTEST_ARGS:-} tests 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    smoke) timeout 200 python3 scripts/cudnn_smoke.py 2>&1 | tee "$OUT/smoke.log" | tail -40 ;;
+    bench) timeout 500 python3 -m pagedprefill.bench ${BENCH_ARGS:-} --out-json "$OUT/h200.json" --plot "$OUT/h200.png" --markdown "$OUT/table.md" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
+    serving) timeout 300 python3 -m pagedprefill.bench --serving ${SERVING_N:-1000} 2>&1 | tee "$OUT/serving.log" | tail -30 ;;
+    *) echo "unknown step $s" ;;
+  esac
+done

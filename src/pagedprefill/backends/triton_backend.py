@@ -1,0 +1,991 @@
+"""Triton backend: one fused FA2-style kernel for paged or ragged K/V, plus an optional split-KV path.
+
+Design (see ``docs/triton_kernel.md`` for the full notes):
+
+* One program computes ``BLOCK_M`` query *rows* of one sequence and one KV head, where a row is a
+  (token, head-in-group) pair of the ``G = Hq / Hkv`` query heads sharing that KV head: row ``r`` is
+  token ``r // G``, head ``kv_head * G + r % G``. Each K/V tile is therefore loaded once for all G
+  heads. Grid ``(Hkv, B, num_m_blocks)`` with the m-block index reversed so the heaviest causal tiles
+  are scheduled first; programs whose rows start past the sequence's ``q_len * G`` return at once.
+* Online softmax in float32 with ``exp2`` (log2(e) folded into the scale). The KV loop is split into
+  an unmasked part (every key visible to every row of the tile) and a masked tail (causal diagonal
+  and the last partial block); only the tail evaluates masks.
+* Paged K/V: the page id of each of the ``BLOCK_N`` keys of a tile is loaded from the block table as
+  one vector (one scalar per tile when the page size is a multiple of ``BLOCK_N``), clamped to
+  ``[0, num_pages)``, and the key rows are gathered with the cache's real strides (NHD, HND and
+  interleaved K/V all work). Ragged K/V: rows ``k_start + j``.
+* Head dims that are not a power of two are split into two power-of-two parts (192 = 128 + 64,
+  96 = 64 + 32, 80 = 64 + 16): two dots instead of one padded dot. A second part that is not a power
+  of two itself (e.g. 112 = 64 + 48) is padded to the next power of two with masked loads.
+* Nothing about lengths, offsets or tables is read on the host: everything comes from ``batch.meta``
+  and ``batch.block_tables`` in the kernel, so a call can be captured in a CUDA graph. Every integer
+  argument that varies per call is ``do_not_specialize``; compile-time constants are only the dtypes,
+  head dims, block sizes, group size, page size and the causal / lse / scale flags.
+* Split-KV (optional, for small grids: short queries over long prefixes): the KV range of each
+  sequence is cut into ``num_splits`` chunks handled by separate programs writing float32 partial
+  outputs and LSEs into ``batch.scratch``; a second small kernel merges them.
+
+``TRITON_INTERPRET``: Triton decides at *decoration* time (when this module is first imported)
+whether the kernels run in the CPU interpreter. Set ``TRITON_INTERPRET=1`` before the first import
+of ``pagedprefill.backends.triton_backend`` to run on the CPU; :func:`unavailable_reason` reports
+the case where the variable was set too late.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+from pagedprefill.api import META_FIELDS, PrefillBatch, meta_bytes
+
+NAME = "triton"
+
+try:  # triton is optional
+    import triton
+    import triton.language as tl
+
+    _IMPORT_ERROR: str | None = None
+except Exception as exc:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+# Whether the kernels below were built for the interpreter (decided once, at import).
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+MAX_HEAD_DIM = 256
+GRID_LIMIT = 65535  # CUDA limit of grid dims y and z
+LOG2E = 1.4426950408889634
+# The kernels read the metadata rows by index, in this order.
+assert META_FIELDS == ("lens_q", "lens_kv", "q_start", "o_start", "k_start", "v_start", "lse_start")
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel configuration
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    """Launch knobs of the main kernel (all compile-time constants)."""
+
+    BLOCK_M: int  # query rows (token x head-in-group pairs) per program
+    BLOCK_N: int  # keys per iteration
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class SplitPolicy:
+    """When and how much to split the KV range (host decision from host ints only)."""
+
+    enabled: bool = True
+    min_programs: int = 264  # split when the unsplit grid has fewer programs (~2 waves on 132 SMs)
+    max_splits: int = 16
+    min_keys_per_split: int = 512
+    max_rows: int = 4096  # only when B * max_q * Hq rows is small (bounded scratch)
+
+
+SPLIT_POLICY = SplitPolicy()
+_OVERRIDE: dict = {}
+
+
+def _env_override() -> dict:
+    """``PAGEDPREFILL_TRITON_CONFIG="BLOCK_M=128,BLOCK_N=64,num_warps=8,num_stages=3,num_splits=1"``."""
+    raw = os.environ.get("PAGEDPREFILL_TRITON_CONFIG", "").strip()
+    out = {}
+    if raw:
+        for item in raw.split(","):
+            key, _, val = item.partition("=")
+            out[key.strip()] = int(val)
+    return out
+
+
+@contextlib.contextmanager
+def config_override(**knobs: int):
+    """Force launch knobs (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``, ``num_splits``)
+    for the calls inside the block; for tests and tuning."""
+    saved = dict(_OVERRIDE)
+    _OVERRIDE.update(knobs)
+    try:
+        yield
+    finally:
+        _OVERRIDE.clear()
+        _OVERRIDE.update(saved)
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (x.bit_length() - 1)
+
+
+def _pow2_ceil(x: int) -> int:
+    return 1 << (x - 1).bit_length()
+
+
+def split_head_dim(d: int) -> tuple[int, int, int]:
+    """(part0, part1, real part1): part0 the largest power of two <= d; part1 the power of two that
+    holds the rest (0 when d is a power of two); real part1 = d - part0 (< part1 means padded)."""
+    d0 = _pow2_floor(d)
+    rest = d - d0
+    return d0, (_pow2_ceil(rest) if rest else 0), rest
+
+
+# Measured winners on H100/H200, keyed by (Dqk, Dvo, dtype bytes of the dot operands, group size,
+# causal); consulted before the heuristics below. Filled from GPU sweeps
+# (PAGEDPREFILL_TRITON_CONFIG=... or config_override(...) while benchmarking).
+TUNED_SM90: dict[tuple[int, int, int, int, bool], Config] = {}
+
+
+def default_config(
+    dqk: int, dvo: int, elem_bytes: int, group: int, causal: bool, capability: tuple[int, int] | None
+) -> Config:
+    """Python-side config table keyed by (head dims, dtype size, group size, causal, GPU).
+
+    Tuned for H100/H200 (sm90, 228 KB shared memory); smaller GPUs get fewer stages / rows.
+    ``capability`` None means the interpreter (small tiles keep it fast and exercise tiling).
+    """
+    if capability is None:
+        return Config(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
+    tuned = TUNED_SM90.get((dqk, dvo, elem_bytes, group, causal)) if capability[0] == 9 else None
+    if tuned is not None:
+        return tuned
+    d = max(sum(split_head_dim(dqk)[:2]), sum(split_head_dim(dvo)[:2]))
+    # (ptxas on sm_90a, no register spills for any of these; see docs/triton_kernel.md)
+    if elem_bytes == 4:  # float32: IEEE dots run on FMA units, register hungry: small tiles
+        cfg = Config(32, 16, 8, 2) if d <= 128 else Config(16, 16, 8, 2)
+    elif d <= 64:
+        cfg = Config(128, 64, 8, 3)
+    elif d <= 128:
+        cfg = Config(128, 64, 8, 3)
+    elif d <= 192:
+        cfg = Config(128, 64, 8, 2)
+    else:
+        cfg = Config(64, 64, 8, 2)
+    major, _minor = capability
+    if major < 9 and elem_bytes < 4:  # Ampere / Ada: mma.sync keeps operands in registers
+        if 64 < d <= 192:
+            cfg = Config(64, 64, 8, 2)
+        elif d > 192:
+            cfg = Config(64, 32, 8, 2)
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# Availability
+# --------------------------------------------------------------------------------------------
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    if triton is None:
+        return f"triton is not importable ({_IMPORT_ERROR}); pip install triton"
+    if device.type == "cuda":
+        if INTERPRETED:
+            return None  # the interpreter copies device tensors to the host and back
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:
+            return f"the Triton kernels need CUDA compute capability >= 8.0, this GPU has {major}.{minor}"
+        return None
+    if device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET", "0") != "1":
+            return (
+                "no CUDA GPU; set TRITON_INTERPRET=1 to run the Triton kernels on the CPU "
+                "through the interpreter"
+            )
+        if not INTERPRETED:
+            return (
+                "TRITON_INTERPRET=1 was set after pagedprefill.backends.triton_backend was imported "
+                "(Triton picks the interpreter when the kernels are decorated); set it before the import"
+            )
+        return None
+    return f"device type {device.type!r} is not supported by the Triton backend (CUDA only)"
+
+
+def _served_dim(d: int) -> bool:
+    return 16 <= d <= MAX_HEAD_DIM and d % 16 == 0
+
+
+def unsupported_reason(batch: PrefillBatch) -> str | None:
+    dqk, dvo = batch.head_dim_qk, batch.head_dim_vo
+    if not (_served_dim(dqk) and _served_dim(dvo)):
+        return (
+            f"head dims Dqk={dqk}, Dvo={dvo} are not served: the Triton kernels serve head dims that are "
+            f"multiples of 16 from 16 to {MAX_HEAD_DIM} (e.g. 64, 96, 128, 256, and Dqk=192 with Dvo=128)"
+        )
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    if batch.k.dtype in fp8 and batch.device.type == "cuda" and not INTERPRETED:
+        if torch.cuda.get_device_capability(batch.device) < (8, 9):
+            return "fp8 K/V needs CUDA compute capability >= 8.9 in the Triton kernels"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _kv_offsets(
+        BT_row,
+        cols,
+        kv_mask,
+        kv_head,
+        k_start,
+        v_start,
+        num_pages,
+        stride_kn,
+        stride_kh,
+        stride_ks,
+        stride_vn,
+        stride_vh,
+        stride_vs,
+        start_n,
+        PAGE_SIZE: tl.constexpr,
+        PAGE_PER_TILE: tl.constexpr,
+        MASKED: tl.constexpr,
+    ):
+        """int64 element offsets of the K rows and V rows of keys ``cols`` (one tile)."""
+        if PAGE_SIZE == 0:  # ragged
+            k_off = (k_start + cols).to(tl.int64) * stride_kn
+            v_off = (v_start + cols).to(tl.int64) * stride_vn
+        else:
+            if PAGE_PER_TILE:  # the whole tile lies in one page
+                page = tl.load(BT_row + start_n // PAGE_SIZE)
+            elif MASKED:
+                page = tl.load(BT_row + cols // PAGE_SIZE, mask=kv_mask, other=0)
+            else:
+                page = tl.load(BT_row + cols // PAGE_SIZE)
+            page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+            slot = cols % PAGE_SIZE
+            k_off = page * stride_kn + slot * stride_ks
+            v_off = page * stride_vn + slot * stride_vs
+        return k_off + kv_head * stride_kh, v_off + kv_head * stride_vh
+
+    @triton.jit
+    def _attend_tile(
+        acc0,
+        acc1,
+        l_i,
+        m_i,
+        q0,
+        q1,
+        K,
+        V,
+        BT_row,
+        start_n,
+        kv_len,
+        diag,
+        qk_scale,
+        kv_head,
+        k_start,
+        v_start,
+        num_pages,
+        stride_kn,
+        stride_kh,
+        stride_ks,
+        stride_vn,
+        stride_vh,
+        stride_vs,
+        CDT: tl.constexpr,
+        PREC: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
+        PAGE_PER_TILE: tl.constexpr,
+        DQ0: tl.constexpr,
+        DQ1: tl.constexpr,
+        DQ1_REAL: tl.constexpr,
+        DV0: tl.constexpr,
+        DV1: tl.constexpr,
+        DV1_REAL: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        MASKED: tl.constexpr,
+    ):
+        """One online-softmax step over keys [start_n, start_n + BLOCK_N)."""
+        cols = start_n + tl.arange(0, BLOCK_N)
+        kv_mask = cols < kv_len
+        k_off, v_off = _kv_offsets(
+            BT_row,
+            cols,
+            kv_mask,
+            kv_head,
+            k_start,
+            v_start,
+            num_pages,
+            stride_kn,
+            stride_kh,
+            stride_ks,
+            stride_vn,
+            stride_vh,
+            stride_vs,
+            start_n,
+            PAGE_SIZE,
+            PAGE_PER_TILE,
+            MASKED,
+        )
+        # S = Q K^T, head dim in up to two power-of-two parts
+        dq0 = tl.arange(0, DQ0)
+        if MASKED:
+            k0 = tl.load(K + k_off[:, None] + dq0[None, :], mask=kv_mask[:, None], other=0.0)
+        else:
+            k0 = tl.load(K + k_off[:, None] + dq0[None, :])
+        qk = tl.dot(q0, tl.trans(k0.to(CDT)), input_precision=PREC)
+        if DQ1 > 0:
+            dq1 = DQ0 + tl.arange(0, DQ1)
+            if DQ1_REAL < DQ1:
+                k1 = tl.load(
+                    K + k_off[:, None] + dq1[None, :],
+                    mask=kv_mask[:, None] & (dq1 < DQ0 + DQ1_REAL)[None, :],
+                    other=0.0,
+                )
+            elif MASKED:
+                k1 = tl.load(K + k_off[:, None] + dq1[None, :], mask=kv_mask[:, None], other=0.0)
+            else:
+                k1 = tl.load(K + k_off[:, None] + dq1[None, :])
+            qk = tl.dot(q1, tl.trans(k1.to(CDT)), acc=qk, input_precision=PREC)
+
+        if MASKED:
+            # scale first, then mask: a masked -inf must never meet a zero scale
+            s = qk * qk_scale
+            if CAUSAL:
+                visible = cols[None, :] <= diag[:, None]  # diag < kv_len for every real row
+            else:
+                visible = kv_mask[None, :]
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet
+            p = tl.math.exp2(s - m_use[:, None])
+        else:
+            # every key visible to every row: qk_scale >= 0, so max(qk) * scale = max(qk * scale)
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_use = m_new
+            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = p.to(CDT)
+
+        dv0 = tl.arange(0, DV0)
+        if MASKED:
+            v0 = tl.load(V + v_off[:, None] + dv0[None, :], mask=kv_mask[:, None], other=0.0)
+        else:
+            v0 = tl.load(V + v_off[:, None] + dv0[None, :])
+        acc0 = tl.dot(p, v0.to(CDT), acc=acc0 * alpha[:, None], input_precision=PREC)
+        if DV1 > 0:
+            dv1 = DV0 + tl.arange(0, DV1)
+            if DV1_REAL < DV1:
+                v1 = tl.load(
+                    V + v_off[:, None] + dv1[None, :],
+                    mask=kv_mask[:, None] & (dv1 < DV0 + DV1_REAL)[None, :],
+                    other=0.0,
+                )
+            elif MASKED:
+                v1 = tl.load(V + v_off[:, None] + dv1[None, :], mask=kv_mask[:, None], other=0.0)
+            else:
+                v1 = tl.load(V + v_off[:, None] + dv1[None, :])
+            acc1 = tl.dot(p, v1.to(CDT), acc=acc1 * alpha[:, None], input_precision=PREC)
+        return acc0, acc1, l_i, m_new
+
+    @triton.jit(
+        do_not_specialize=[
+            "meta_stride",
+            "b_offset",
+            "m_offset",
+            "num_m_blocks",
+            "num_pages",
+            "bt_stride",
+            "max_q",
+            "num_splits",
+        ]
+    )
+    def _prefill_kernel(
+        Q,
+        K,
+        V,
+        Out,
+        LSE,
+        META,
+        BT,
+        QS,
+        KS,
+        VS,
+        PO,  # split-KV partial outputs (float32), or a dummy
+        PL,  # split-KV partial LSEs (float32, log2 units), or a dummy
+        sm_scale_log2,
+        meta_stride,
+        b_offset,
+        m_offset,
+        num_m_blocks,
+        num_pages,
+        bt_stride,
+        stride_qt,
+        stride_qh,
+        stride_kn,
+        stride_kh,
+        stride_ks,
+        stride_vn,
+        stride_vh,
+        stride_vs,
+        stride_ot,
+        stride_oh,
+        num_heads_q,
+        max_q,
+        num_splits,
+        GROUP: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
+        PAGE_PER_TILE: tl.constexpr,
+        DQ0: tl.constexpr,
+        DQ1: tl.constexpr,
+        DQ1_REAL: tl.constexpr,
+        DV0: tl.constexpr,
+        DV1: tl.constexpr,
+        DV1_REAL: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        CDT: tl.constexpr,
+        PREC: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        HAS_LSE: tl.constexpr,
+        HAS_Q_SCALE: tl.constexpr,
+        HAS_K_SCALE: tl.constexpr,
+        HAS_V_SCALE: tl.constexpr,
+        MAYBE_NEG_SCALE: tl.constexpr,
+        SPLIT: tl.constexpr,
+    ):
+        kv_head = tl.program_id(0)
+        b = tl.program_id(1) + b_offset
+        pid_m = tl.program_id(2) + m_offset
+        if SPLIT:
+            split = pid_m % num_splits
+            pid_m = pid_m // num_splits
+        m_blk = num_m_blocks - 1 - pid_m  # heaviest (last) row blocks first
+        q_len = tl.load(META + b)
+        row0 = m_blk * BLOCK_M
+        if row0 < q_len * GROUP:
+            kv_len = tl.load(META + meta_stride + b)
+            q_start = tl.load(META + 2 * meta_stride + b)
+
+            rows = row0 + tl.arange(0, BLOCK_M)
+            tok = rows // GROUP
+            head = kv_head * GROUP + rows % GROUP
+            row_ok = tok < q_len
+            q_off = (q_start + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+
+            qk_scale = sm_scale_log2
+            if HAS_Q_SCALE:
+                qk_scale = qk_scale * tl.load(QS)
+            if HAS_K_SCALE:
+                qk_scale = qk_scale * tl.load(KS)
+
+            dq0 = tl.arange(0, DQ0)
+            q0 = tl.load(Q + q_off[:, None] + dq0[None, :], mask=row_ok[:, None], other=0.0).to(CDT)
+            if DQ1 > 0:
+                dq1 = DQ0 + tl.arange(0, DQ1)
+                q1 = tl.load(
+                    Q + q_off[:, None] + dq1[None, :],
+                    mask=row_ok[:, None] & (dq1 < DQ0 + DQ1_REAL)[None, :],
+                    other=0.0,
+                ).to(CDT)
+            else:
+                q1 = q0  # unused
+            if MAYBE_NEG_SCALE:  # q.k * s == (-q).k * (-s): keep the scale non-negative
+                neg = qk_scale < 0
+                q0 = tl.where(neg, -q0, q0)
+                if DQ1 > 0:
+                    q1 = tl.where(neg, -q1, q1)
+                qk_scale = tl.abs(qk_scale)
+
+            # KV range of this program
+            if CAUSAL:
+                diag = tok + (kv_len - q_len)  # last visible key of each row
+                tok_lo = row0 // GROUP
+                tok_hi = tl.minimum((row0 + BLOCK_M - 1) // GROUP, q_len - 1)
+                hi = tl.minimum(kv_len, tok_hi + (kv_len - q_len) + 1)
+                full = tl.minimum(kv_len, tok_lo + (kv_len - q_len) + 1)
+                full = (tl.maximum(full, 0) // BLOCK_N) * BLOCK_N
+            else:
+                diag = tok  # unused
+                hi = kv_len
+                full = (kv_len // BLOCK_N) * BLOCK_N
+            lo = 0
+            if SPLIT:
+                chunk = tl.cdiv(tl.cdiv(tl.maximum(hi, 0), num_splits), BLOCK_N) * BLOCK_N
+                lo = split * chunk
+                hi = tl.minimum(hi, lo + chunk)
+                full = tl.maximum(tl.minimum(full, hi), lo)
+
+            if PAGE_SIZE > 0:
+                BT_row = BT + b.to(tl.int64) * bt_stride
+                k_start = 0
+                v_start = 0
+            else:
+                BT_row = BT
+                k_start = tl.load(META + 4 * meta_stride + b)
+                v_start = tl.load(META + 5 * meta_stride + b)
+
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc0 = tl.zeros([BLOCK_M, DV0], tl.float32)
+            if DV1 > 0:
+                acc1 = tl.zeros([BLOCK_M, DV1], tl.float32)
+            else:
+                acc1 = tl.zeros([1, 1], tl.float32)  # unused
+
+            for start_n in range(lo, full, BLOCK_N):
+                acc0, acc1, l_i, m_i = _attend_tile(
+                    acc0,
+                    acc1,
+                    l_i,
+                    m_i,
+                    q0,
+                    q1,
+                    K,
+                    V,
+                    BT_row,
+                    start_n,
+                    kv_len,
+                    diag,
+                    qk_scale,
+                    kv_head,
+                    k_start,
+                    v_start,
+                    num_pages,
+                    stride_kn,
+                    stride_kh,
+                    stride_ks,
+                    stride_vn,
+                    stride_vh,
+                    stride_vs,
+                    CDT,
+                    PREC,
+                    PAGE_SIZE,
+                    PAGE_PER_TILE,
+                    DQ0,
+                    DQ1,
+                    DQ1_REAL,
+                    DV0,
+                    DV1,
+                    DV1_REAL,
+                    BLOCK_N,
+                    CAUSAL,
+                    False,
+                )
+            for start_n in range(full, hi, BLOCK_N):
+                acc0, acc1, l_i, m_i = _attend_tile(
+                    acc0,
+                    acc1,
+                    l_i,
+                    m_i,
+                    q0,
+                    q1,
+                    K,
+                    V,
+                    BT_row,
+                    start_n,
+                    kv_len,
+                    diag,
+                    qk_scale,
+                    kv_head,
+                    k_start,
+                    v_start,
+                    num_pages,
+                    stride_kn,
+                    stride_kh,
+                    stride_ks,
+                    stride_vn,
+                    stride_vh,
+                    stride_vs,
+                    CDT,
+                    PREC,
+                    PAGE_SIZE,
+                    PAGE_PER_TILE,
+                    DQ0,
+                    DQ1,
+                    DQ1_REAL,
+                    DV0,
+                    DV1,
+                    DV1_REAL,
+                    BLOCK_N,
+                    CAUSAL,
+                    True,
+                )
+
+            has_key = l_i > 0.0
+            inv_l = tl.where(has_key, 1.0 / tl.where(has_key, l_i, 1.0), 0.0)
+            lse2 = tl.where(has_key, m_i + tl.math.log2(tl.where(has_key, l_i, 1.0)), float("-inf"))
+            dv0 = tl.arange(0, DV0)
+            if DV1 > 0:
+                dv1 = DV0 + tl.arange(0, DV1)
+            if SPLIT:
+                # partials: PO[split, b, tok, head, :] float32, PL[split, b, tok, head] (log2 units)
+                prow = ((split * meta_stride + b).to(tl.int64) * max_q + tok) * num_heads_q + head
+                o0 = acc0 * inv_l[:, None]
+                tl.store(PO + prow[:, None] * (DV0 + DV1_REAL) + dv0[None, :], o0, mask=row_ok[:, None])
+                if DV1 > 0:
+                    o1 = acc1 * inv_l[:, None]
+                    tl.store(
+                        PO + prow[:, None] * (DV0 + DV1_REAL) + dv1[None, :],
+                        o1,
+                        mask=row_ok[:, None] & (dv1 < DV0 + DV1_REAL)[None, :],
+                    )
+                tl.store(PL + prow, lse2, mask=row_ok)
+            else:
+                o_start = tl.load(META + 3 * meta_stride + b)
+                o_off = (o_start + tok).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+                v_scale = 1.0
+                if HAS_V_SCALE:
+                    v_scale = tl.load(VS)
+                o0 = (acc0 * (inv_l * v_scale)[:, None]).to(Out.dtype.element_ty)
+                tl.store(Out + o_off[:, None] + dv0[None, :], o0, mask=row_ok[:, None])
+                if DV1 > 0:
+                    o1 = acc1 * (inv_l * v_scale)[:, None]
+                    tl.store(
+                        Out + o_off[:, None] + dv1[None, :],
+                        o1.to(Out.dtype.element_ty),
+                        mask=row_ok[:, None] & (dv1 < DV0 + DV1_REAL)[None, :],
+                    )
+                if HAS_LSE:
+                    lse_start = tl.load(META + 6 * meta_stride + b)
+                    lse_off = lse_start.to(tl.int64) + tok.to(tl.int64) * num_heads_q + head
+                    tl.store(LSE + lse_off, lse2 * 0.6931471805599453, mask=row_ok)
+
+    @triton.jit(do_not_specialize=["meta_stride", "b_offset", "max_q", "num_splits"])
+    def _merge_kernel(
+        Out,
+        LSE,
+        META,
+        VS,
+        PO,
+        PL,
+        meta_stride,
+        b_offset,
+        max_q,
+        stride_ot,
+        stride_oh,
+        num_heads_q,
+        num_splits,
+        DV: tl.constexpr,
+        DV_P2: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        HAS_LSE: tl.constexpr,
+        HAS_V_SCALE: tl.constexpr,
+    ):
+        """Combine the split-KV partials of one (sequence, token) for BLOCK_H heads."""
+        b = tl.program_id(1) + b_offset
+        tok = tl.program_id(0)
+        q_len = tl.load(META + b)
+        if tok < q_len:
+            heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+            h_ok = heads < num_heads_q
+            d = tl.arange(0, DV_P2)
+            d_ok = d < DV
+            m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+            for s in range(num_splits):
+                prow = ((s * meta_stride + b).to(tl.int64) * max_q + tok) * num_heads_q + heads
+                m = tl.maximum(m, tl.load(PL + prow, mask=h_ok, other=float("-inf")))
+            m_use = tl.where(m == float("-inf"), 0.0, m)
+            total = tl.zeros([BLOCK_H], tl.float32)
+            acc = tl.zeros([BLOCK_H, DV_P2], tl.float32)
+            for s in range(num_splits):
+                prow = ((s * meta_stride + b).to(tl.int64) * max_q + tok) * num_heads_q + heads
+                w = tl.math.exp2(tl.load(PL + prow, mask=h_ok, other=float("-inf")) - m_use)
+                part = tl.load(
+                    PO + prow[:, None] * DV + d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0
+                )
+                total += w
+                acc += w[:, None] * part
+            has_key = total > 0.0
+            scale = tl.where(has_key, 1.0 / tl.where(has_key, total, 1.0), 0.0)
+            if HAS_V_SCALE:
+                scale = scale * tl.load(VS)
+            o_start = tl.load(META + 3 * meta_stride + b)
+            o_off = (o_start + tok).to(tl.int64) * stride_ot + heads.to(tl.int64) * stride_oh
+            tl.store(
+                Out + o_off[:, None] + d[None, :],
+                (acc * scale[:, None]).to(Out.dtype.element_ty),
+                mask=h_ok[:, None] & d_ok[None, :],
+            )
+            if HAS_LSE:
+                lse2 = tl.where(has_key, m_use + tl.math.log2(tl.where(has_key, total, 1.0)), float("-inf"))
+                lse_start = tl.load(META + 6 * meta_stride + b)
+                lse_off = lse_start.to(tl.int64) + tok.to(tl.int64) * num_heads_q + heads
+                tl.store(LSE + lse_off, lse2 * 0.6931471805599453, mask=h_ok)
+
+
+# --------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------
+
+
+def _tl_dtype(dt: torch.dtype):
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dt]
+
+
+def _compute_dtype(batch: PrefillBatch) -> torch.dtype:
+    """Dtype of the dot operands: q's dtype; fp8 q (with its fp8 K/V) computes in float16, which
+    holds every e4m3 and e5m2 value exactly and keeps more mantissa than bfloat16 for P."""
+    if batch.q.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        return batch.q.dtype
+    return torch.float16
+
+
+def _capability(batch: PrefillBatch) -> tuple[int, int] | None:
+    if INTERPRETED or batch.device.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(batch.device)
+
+
+def choose_config(batch: PrefillBatch) -> Config:
+    """The launch knobs for this call: table defaults, then any override (context or env)."""
+    cdt = _compute_dtype(batch)
+    cfg = default_config(
+        batch.head_dim_qk,
+        batch.head_dim_vo,
+        torch.finfo(cdt).bits // 8,
+        batch.group_size,
+        batch.causal,
+        _capability(batch),
+    )
+    over = {**_env_override(), **_OVERRIDE}
+    known = {k: over[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages") if k in over}
+    return replace(cfg, **known) if known else cfg
+
+
+def _num_m_blocks(batch: PrefillBatch, cfg: Config) -> int:
+    return -(-batch.max_q * batch.group_size // cfg.BLOCK_M)
+
+
+def _available_scratch(batch: PrefillBatch) -> int:
+    """Bytes of the caller's workspace left after the metadata (no limit when unknown)."""
+    ws = batch.extras.get("workspace")
+    if ws is None:
+        return 1 << 62
+    return ws.numel() - meta_bytes(batch.batch_size)
+
+
+def choose_splits(batch: PrefillBatch, cfg: Config) -> int:
+    """Number of KV splits (1 = no split-KV), from host ints only (no lengths are read).
+
+    The count is a runtime kernel argument (no recompilation when it changes); only split / no
+    split is a compile-time constant. An automatic split that does not fit in the caller's
+    workspace is reduced (or dropped) rather than failing the call.
+    """
+    over = {**_env_override(), **_OVERRIDE}
+    if "num_splits" in over:
+        return max(1, int(over["num_splits"]))
+    pol = SPLIT_POLICY
+    if not pol.enabled or batch.batch_size == 0 or batch.max_q == 0:
+        return 1
+    if batch.batch_size * batch.max_q * batch.num_qo_heads > pol.max_rows:
+        return 1
+    programs = batch.num_kv_heads * batch.batch_size * _num_m_blocks(batch, cfg)
+    if programs >= pol.min_programs:
+        return 1
+    by_len = batch.max_kv // pol.min_keys_per_split
+    by_grid = -(-pol.min_programs // programs)
+    splits = min(pol.max_splits, by_len, by_grid)
+    avail = _available_scratch(batch)
+    while splits >= 2 and _partials_bytes(batch, splits) > avail:
+        splits -= 1
+    return splits if splits >= 2 else 1
+
+
+def workspace_bytes(batch: PrefillBatch) -> int:
+    if triton is None or unsupported_reason(batch) is not None:
+        return 0
+    cfg = choose_config(batch)
+    splits = choose_splits(batch, cfg)
+    return _partials_bytes(batch, splits)
+
+
+def _partials_bytes(batch: PrefillBatch, splits: int) -> int:
+    if splits <= 1:
+        return 0
+    rows = splits * batch.batch_size * batch.max_q * batch.num_qo_heads
+    return rows * (batch.head_dim_vo + 1) * 4 + 256  # + alignment slack
+
+
+def launch_plan(batch: PrefillBatch, cfg: Config | None = None, num_splits: int | None = None):
+    """Everything ``run`` launches: a list of ``(kernel, grid, args, kwargs)``.
+
+    Exposed for tests (compile-key checks) and tuning scripts. Reads no device data.
+    """
+    cfg = choose_config(batch) if cfg is None else cfg
+    splits = choose_splits(batch, cfg) if num_splits is None else num_splits
+    bsz, hkv, g = batch.batch_size, batch.num_kv_heads, batch.group_size
+    if bsz == 0 or batch.max_q == 0:
+        return []
+    dq0, dq1, dq1_real = split_head_dim(batch.head_dim_qk)
+    dv0, dv1, dv1_real = split_head_dim(batch.head_dim_vo)
+    cdt = _compute_dtype(batch)
+    paged = batch.paged
+    page_size = batch.page_size if paged else 0
+    meta = batch.meta
+    bt = batch.block_tables if paged else meta
+    dummy = meta
+    k, v, q, out = batch.k, batch.v, batch.q, batch.out
+    if paged:
+        kstr = (k.stride(0), k.stride(1), k.stride(2))
+        vstr = (v.stride(0), v.stride(1), v.stride(2))
+    else:
+        kstr = (k.stride(0), k.stride(1), 0)
+        vstr = (v.stride(0), v.stride(1), 0)
+    if splits > 1:
+        nbytes = _partials_bytes(batch, splits)
+        if batch.scratch.numel() < nbytes:
+            raise ValueError(
+                f"workspace_buffer: expected at least {nbytes} bytes of backend scratch for "
+                f"{splits} KV splits, got {batch.scratch.numel()}"
+            )
+        base = batch.scratch
+        pad = (-base.data_ptr()) % 16
+        rows = splits * bsz * batch.max_q * batch.num_qo_heads
+        po = base[pad : pad + rows * batch.head_dim_vo * 4].view(torch.float32)
+        pl_start = pad + rows * batch.head_dim_vo * 4
+        pl = base[pl_start : pl_start + rows * 4].view(torch.float32)
+    else:
+        po = pl = dummy
+    scale_neg_possible = batch.scale < 0 or batch.q_scale is not None or batch.k_scale is not None
+    n_m = _num_m_blocks(batch, cfg)
+    plans = []
+    for b0 in range(0, bsz, GRID_LIMIT):
+        nb = min(GRID_LIMIT, bsz - b0)
+        total_z = n_m * splits
+        for z0 in range(0, total_z, GRID_LIMIT):
+            nz = min(GRID_LIMIT, total_z - z0)
+            args = (
+                q,
+                k,
+                v,
+                out,
+                batch.lse if batch.lse is not None else dummy,
+                meta,
+                bt,
+                batch.q_scale if batch.q_scale is not None else dummy,
+                batch.k_scale if batch.k_scale is not None else dummy,
+                batch.v_scale if batch.v_scale is not None else dummy,
+                po,
+                pl,
+                float(batch.scale) * LOG2E,
+                meta.stride(0),
+                b0,
+                z0,
+                n_m,
+                k.shape[0],
+                bt.stride(0) if paged else 0,
+                q.stride(0),
+                q.stride(1),
+                *kstr,
+                *vstr,
+                out.stride(0),
+                out.stride(1),
+                batch.num_qo_heads,
+                batch.max_q,
+                splits,
+            )
+            kwargs = dict(
+                GROUP=g,
+                PAGE_SIZE=page_size,
+                PAGE_PER_TILE=bool(page_size and page_size % cfg.BLOCK_N == 0),
+                DQ0=dq0,
+                DQ1=dq1,
+                DQ1_REAL=dq1_real,
+                DV0=dv0,
+                DV1=dv1,
+                DV1_REAL=dv1_real,
+                BLOCK_M=cfg.BLOCK_M,
+                BLOCK_N=cfg.BLOCK_N,
+                CDT=_tl_dtype(cdt),
+                PREC="ieee" if cdt == torch.float32 else "tf32",
+                CAUSAL=bool(batch.causal),
+                HAS_LSE=batch.lse is not None and splits == 1,
+                HAS_Q_SCALE=batch.q_scale is not None,
+                HAS_K_SCALE=batch.k_scale is not None,
+                HAS_V_SCALE=batch.v_scale is not None and splits == 1,
+                MAYBE_NEG_SCALE=scale_neg_possible,
+                SPLIT=splits > 1,
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+            )
+            plans.append((_prefill_kernel, (hkv, nb, nz), args, kwargs))
+    if splits > 1:
+        block_h = min(_pow2_ceil(batch.num_qo_heads), 16)
+        nh = -(-batch.num_qo_heads // block_h)
+        dv_p2 = _pow2_ceil(batch.head_dim_vo)
+        for b0 in range(0, bsz, GRID_LIMIT):
+            nb = min(GRID_LIMIT, bsz - b0)
+            args = (
+                out,
+                batch.lse if batch.lse is not None else dummy,
+                meta,
+                batch.v_scale if batch.v_scale is not None else dummy,
+                po,
+                pl,
+                meta.stride(0),
+                b0,
+                batch.max_q,
+                out.stride(0),
+                out.stride(1),
+                batch.num_qo_heads,
+                splits,
+            )
+            kwargs = dict(
+                DV=batch.head_dim_vo,
+                DV_P2=dv_p2,
+                BLOCK_H=block_h,
+                HAS_LSE=batch.lse is not None,
+                HAS_V_SCALE=batch.v_scale is not None,
+                num_warps=4,
+                num_stages=1,
+            )
+            plans.append((_merge_kernel, (batch.max_q, nb, nh), args, kwargs))
+    return plans
+
+
+def _fallback_config(cfg: Config) -> Config | None:
+    """A smaller config after an out-of-resources compile error (None when nothing is left)."""
+    if cfg.num_stages > 2:
+        return replace(cfg, num_stages=cfg.num_stages - 1)
+    if cfg.BLOCK_N > 32:
+        return replace(cfg, BLOCK_N=cfg.BLOCK_N // 2)
+    if cfg.BLOCK_M > 64:
+        return replace(cfg, BLOCK_M=cfg.BLOCK_M // 2, num_warps=4)
+    if cfg.num_stages > 1:
+        return replace(cfg, num_stages=1)
+    return None
+
+
+_FALLBACKS: dict = {}
+
+
+def compile_count() -> int:
+    """Kernel variants compiled so far in this process (all devices); 0 under the interpreter."""
+    if triton is None or INTERPRETED:
+        return 0
+    total = 0
+    for kernel in (_prefill_kernel, _merge_kernel):
+        total += sum(len(cache[0]) for cache in kernel.device_caches.values())
+    return total
+
+
+def run(batch: PrefillBatch) -> None:
+    if batch.batch_size == 0 or batch.max_q == 0:
+        return
+    cfg = choose_config(batch)
+    splits = choose_splits(batch, cfg)  # from the table config, exactly as workspace_bytes
+    key = (cfg, batch.device.type, batch.head_dim_qk, batch.head_dim_vo, batch.q.dtype, batch.k.dtype)
+    cfg = _FALLBACKS.get(key, cfg)
+    ctx = torch.cuda.device(batch.device) if batch.device.type == "cuda" else contextlib.nullcontext()
+    with ctx:
+        while True:
+            try:
+                for kernel, grid, args, kwargs in launch_plan(batch, cfg, splits):
+                    kernel[grid](*args, **kwargs)
+                return
+            except triton.runtime.errors.OutOfResources:
+                smaller = _fallback_config(cfg)
+                if smaller is None:
+                    raise
+                cfg = smaller
+                _FALLBACKS[key] = cfg

@@ -1,0 +1,353 @@
+"""Benchmark workloads: loading them, their exact lengths and FLOPs, and building a call from one.
+
+The rules are those of the workloads' README (kept beside the copied ``workloads.json``):
+
+- lengths: ``g = torch.Generator().manual_seed(w.get("seed", 0))``; q lengths are
+  ``[qo_len] * batch`` or ``torch.randint(qo_min, qo_max + 1, (batch,), generator=g)``; then the
+  prefixes ``[prefix] * batch`` or ``torch.randint(0, prefix_max + 1, (batch,), generator=g)``,
+  drawn after the q lengths from the same generator; ``kv_len = q_len + prefix``;
+- data: standard-normal q, K, V; paged K/V (``page_size > 0``) stored NHD
+  ``(num_pages, page_size, Hkv, D)`` and passed as the ``.permute(0, 2, 1, 3)`` view, the pages of
+  all sequences shuffled by one random permutation, an int32 block table; ``page_size == 0``:
+  ragged contiguous K/V ``(total_kv_tokens, Hkv, D)`` with element batch offsets;
+- causal is bottom-right aligned; scale = 1/sqrt(head_dim_qk);
+- FLOPs: per sequence and query head, ``2 * (Dqk + Dvo) * visible (i, j) pairs``.
+
+Everything here is shared by :mod:`pagedprefill.bench` and :mod:`pagedprefill.demo`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from importlib import resources
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "CPU_WORKLOADS",
+    "build_case",
+    "case_lengths",
+    "dense_reference_inputs",
+    "flops",
+    "get_workload",
+    "lengths",
+    "load_workloads",
+    "reference_fp64",
+    "visible_pairs",
+]
+
+GPU_WORKSPACE_BYTES = 256 * 2**20
+CPU_WORKSPACE_BYTES = 8 * 2**20
+
+# Tiny workloads for machines without a GPU, derived from the real ones (same rules, same keys):
+# paged with page 16, page 1, ragged K/V, and a variable-length non-causal batch.
+_CPU_COMMON = {"heads_q": 4, "heads_kv": 2, "head_dim_qk": 64, "head_dim_vo": 64}
+CPU_WORKLOADS: list[dict] = [
+    {"name": "cpu_b2_q64_p64", "batch": 2, "qo_len": 64, "prefix": 64, "page_size": 16, "causal": True},
+    {"name": "cpu_page1_b2_q64_p64", "batch": 2, "qo_len": 64, "prefix": 64, "page_size": 1, "causal": True},
+    {"name": "cpu_ragged_b2_q64_p64", "batch": 2, "qo_len": 64, "prefix": 64, "page_size": 0, "causal": True},
+    {
+        "name": "cpu_varlen_b4_noncausal",
+        "batch": 4,
+        "qo_min": 8,
+        "qo_max": 64,
+        "prefix_max": 64,
+        "seed": 7,
+        "page_size": 16,
+        "causal": False,
+    },
+]
+for _w in CPU_WORKLOADS:
+    for _k, _v in _CPU_COMMON.items():
+        _w.setdefault(_k, _v)
+del _w, _k, _v
+
+
+def load_workloads() -> list[dict]:
+    """The project's benchmark workloads (package data ``workloads.json``), in file order."""
+    text = resources.files("pagedprefill").joinpath("workloads.json").read_text(encoding="utf-8")
+    return [dict(w) for w in json.loads(text)["workloads"]]
+
+
+def get_workload(name: str) -> dict:
+    """A workload by name, from ``workloads.json`` or :data:`CPU_WORKLOADS`."""
+    for w in load_workloads() + CPU_WORKLOADS:
+        if w["name"] == name:
+            return dict(w)
+    known = [w["name"] for w in load_workloads() + CPU_WORKLOADS]
+    raise KeyError(f"unknown workload {name!r}; known: {', '.join(known)}")
+
+
+def lengths(w: dict) -> tuple[list[int], list[int]]:
+    """``(q_lens, kv_lens)`` of workload ``w``, exactly as the README draws them."""
+    batch = int(w["batch"])
+    g = torch.Generator().manual_seed(int(w.get("seed", 0)))
+    if "qo_len" in w:
+        q_lens = [int(w["qo_len"])] * batch
+    else:
+        q_lens = torch.randint(int(w["qo_min"]), int(w["qo_max"]) + 1, (batch,), generator=g).tolist()
+    if "prefix" in w:
+        prefixes = [int(w["prefix"])] * batch
+    else:
+        prefixes = torch.randint(0, int(w["prefix_max"]) + 1, (batch,), generator=g).tolist()
+    return q_lens, [q + p for q, p in zip(q_lens, prefixes)]
+
+
+def visible_pairs(q_len: int, kv_len: int, causal: bool) -> int:
+    """Number of (query i, key j) pairs that attend (bottom-right aligned causal mask)."""
+    if q_len <= 0 or kv_len <= 0:
+        return 0
+    if not causal:
+        return q_len * kv_len
+    # Row i sees clamp(kv_len - q_len + i + 1, 0, kv_len) keys; the upper clamp never binds.
+    d = kv_len - q_len
+    if d >= 0:
+        return q_len * d + q_len * (q_len + 1) // 2
+    return kv_len * (kv_len + 1) // 2
+
+
+def flops(
+    w_or_lens: dict | tuple[Sequence[int], Sequence[int]],
+    causal: bool | None = None,
+    num_qo_heads: int | None = None,
+    head_dim_qk: int | None = None,
+    head_dim_vo: int | None = None,
+) -> int:
+    """FLOPs of one call: ``sum over sequences and query heads of 2 * (Dqk + Dvo) * visible pairs``.
+
+    Either ``flops(workload)`` or ``flops((q_lens, kv_lens), causal, Hq, Dqk, Dvo)``; with a workload
+    dict, explicit arguments override its fields.
+    """
+    if isinstance(w_or_lens, dict):
+        w = w_or_lens
+        q_lens, kv_lens = lengths(w)
+        causal = bool(w["causal"]) if causal is None else causal
+        num_qo_heads = int(w["heads_q"]) if num_qo_heads is None else num_qo_heads
+        head_dim_qk = int(w["head_dim_qk"]) if head_dim_qk is None else head_dim_qk
+        head_dim_vo = int(w.get("head_dim_vo", head_dim_qk)) if head_dim_vo is None else head_dim_vo
+    else:
+        q_lens, kv_lens = w_or_lens
+        if causal is None or num_qo_heads is None or head_dim_qk is None:
+            raise ValueError("flops(lens, ...): causal, num_qo_heads and head_dim_qk are required")
+        head_dim_vo = head_dim_qk if head_dim_vo is None else head_dim_vo
+    q_lens, kv_lens = [int(x) for x in q_lens], [int(x) for x in kv_lens]
+    if len(q_lens) != len(kv_lens):
+        raise ValueError(f"flops: {len(q_lens)} q lengths but {len(kv_lens)} kv lengths")
+    pairs = sum(visible_pairs(q, k, bool(causal)) for q, k in zip(q_lens, kv_lens))
+    return 2 * (head_dim_qk + head_dim_vo) * num_qo_heads * pairs
+
+
+def _randn(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, device: torch.device) -> Tensor:
+    """Standard normal values in ``dtype``, generated on ``device`` (no float32 copy of big tensors)."""
+    if dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        return torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+
+def build_case(
+    w: dict,
+    device: str | torch.device,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    *,
+    lens_on_device: bool = False,
+    workspace_bytes: int | None = None,
+    lens: tuple[Sequence[int], Sequence[int]] | None = None,
+) -> dict:
+    """Keyword arguments of one call of the public function for workload ``w``.
+
+    ``lens_on_device=False`` (default): lengths on the CPU (the library validates them without a
+    device sync); True: lengths on the device and ``is_cuda_graph_compatible=True`` (the CUDA-graph
+    serving setup). ``seed`` seeds the data and the page permutation (the lengths come from the
+    workload's own seed). ``lens`` overrides the workload's lengths.
+
+    Returns the kwargs: ``q, k_cache, v_cache, scale, workspace_buffer, max_token_per_sequence,
+    max_sequence_kv, actual_seq_lens_q, actual_seq_lens_kv, causal, return_lse=True, out, lse,
+    is_cuda_graph_compatible`` and ``block_tables`` (paged) or ``batch_offsets_k/_v`` (ragged,
+    in elements).
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    q_lens, kv_lens = lengths(w) if lens is None else ([int(x) for x in lens[0]], [int(x) for x in lens[1]])
+    bsz = len(q_lens)
+    hq, hkv = int(w["heads_q"]), int(w["heads_kv"])
+    dqk = int(w["head_dim_qk"])
+    dvo = int(w.get("head_dim_vo", dqk))
+    page = int(w["page_size"])
+    causal = bool(w["causal"])
+    total_q, total_kv = sum(q_lens), sum(kv_lens)
+    max_q, max_kv = max(q_lens + [0]), max(kv_lens + [0])
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    cpu_gen = torch.Generator().manual_seed(seed)
+    q = _randn((total_q, hq, dqk), dtype, gen, device)
+    kw: dict = {"q": q}
+    lens_dev = device if lens_on_device else torch.device("cpu")
+    if page > 0:
+        pages_per_seq = [-(-n // page) for n in kv_lens]
+        num_pages = max(sum(pages_per_seq), 1)
+        k_store = _randn((num_pages, page, hkv, dqk), dtype, gen, device)
+        v_store = _randn((num_pages, page, hkv, dvo), dtype, gen, device)
+        perm = torch.randperm(num_pages, generator=cpu_gen)
+        table = torch.zeros((bsz, max(pages_per_seq + [1])), dtype=torch.int32)
+        start = 0
+        for b, n in enumerate(pages_per_seq):
+            table[b, :n] = perm[start : start + n]
+            start += n
+        kw.update(
+            k_cache=k_store.permute(0, 2, 1, 3),
+            v_cache=v_store.permute(0, 2, 1, 3),
+            block_tables=table.to(device),
+        )
+    else:
+        k = _randn((max(total_kv, 1), hkv, dqk), dtype, gen, device)
+        v = _randn((max(total_kv, 1), hkv, dvo), dtype, gen, device)
+        starts = [0]
+        for n in kv_lens:
+            starts.append(starts[-1] + n)
+        off_dtype = torch.int32 if starts[-1] * hkv * max(dqk, dvo) < 2**31 else torch.int64
+        kw.update(
+            k_cache=k,
+            v_cache=v,
+            batch_offsets_k=torch.tensor([s * hkv * dqk for s in starts], dtype=off_dtype, device=lens_dev),
+            batch_offsets_v=torch.tensor([s * hkv * dvo for s in starts], dtype=off_dtype, device=lens_dev),
+        )
+    kw.update(
+        scale=1.0 / math.sqrt(dqk),
+        workspace_buffer=torch.empty(
+            workspace_bytes
+            if workspace_bytes is not None
+            else (GPU_WORKSPACE_BYTES if device.type == "cuda" else CPU_WORKSPACE_BYTES),
+            dtype=torch.uint8,
+            device=device,
+        ),
+        max_token_per_sequence=max_q,
+        max_sequence_kv=max_kv,
+        actual_seq_lens_q=torch.tensor(q_lens, dtype=torch.int32, device=lens_dev),
+        actual_seq_lens_kv=torch.tensor(kv_lens, dtype=torch.int32, device=lens_dev),
+        causal=causal,
+        return_lse=True,
+        out=torch.empty((total_q, hq, dvo), dtype=dtype, device=device),
+        lse=torch.full((bsz, max_q, hq), float("-inf"), dtype=torch.float32, device=device),
+        is_cuda_graph_compatible=bool(lens_on_device and device.type == "cuda"),
+    )
+    return kw
+
+
+def case_lengths(case: dict) -> tuple[list[int], list[int]]:
+    """``(q_lens, kv_lens)`` of a case built by :func:`build_case`."""
+    return (
+        [int(x) for x in case["actual_seq_lens_q"].reshape(-1).tolist()],
+        [int(x) for x in case["actual_seq_lens_kv"].reshape(-1).tolist()],
+    )
+
+
+def dense_reference_inputs(case: dict) -> dict:
+    """The case's data stored contiguously, for outside (non-paged) references.
+
+    Returns ``q (total_q, Hq, Dqk)``, ``k (total_kv, Hkv, Dqk)``, ``v (total_kv, Hkv, Dvo)`` (all
+    contiguous, on the case's device), ``cu_seqlens_q`` / ``cu_seqlens_k`` ((B+1,) int32 on that
+    device), ``max_q``, ``max_k``, ``scale``, ``causal``, ``q_lens``, ``kv_lens``. Paged K/V are
+    gathered page by page through the block table.
+    """
+    q_lens, kv_lens = case_lengths(case)
+    k_cache, v_cache = case["k_cache"], case["v_cache"]
+    device = case["q"].device
+    ks, vs = [], []
+    table = case.get("block_tables")
+    if table is not None:
+        table = table.to(device=device, dtype=torch.long)
+        page = k_cache.shape[2]
+        for b, n in enumerate(kv_lens):
+            if n == 0:
+                continue
+            pages = table[b, : -(-n // page)]
+            for cache, acc in ((k_cache, ks), (v_cache, vs)):
+                seq = cache.index_select(0, pages)  # (n_pages, Hkv, page, D)
+                acc.append(seq.permute(0, 2, 1, 3).reshape(-1, cache.shape[1], cache.shape[3])[:n])
+    else:
+
+        def token_starts(name: str, per_token: int) -> list[int]:
+            offs = case.get(name)
+            if offs is None:
+                acc, out = 0, []
+                for n in kv_lens:
+                    out.append(acc)
+                    acc += n
+                return out
+            vals = [int(x) for x in offs.reshape(-1).tolist()]
+            if case.get("batch_offsets_units", "elements") == "elements":
+                vals = [x // per_token for x in vals]
+            return vals[: len(kv_lens)]
+
+        k_st = token_starts("batch_offsets_k", k_cache.shape[1] * k_cache.shape[2])
+        v_st = token_starts("batch_offsets_v", v_cache.shape[1] * v_cache.shape[2])
+        for b, n in enumerate(kv_lens):
+            if n:
+                ks.append(k_cache[k_st[b] : k_st[b] + n])
+                vs.append(v_cache[v_st[b] : v_st[b] + n])
+    hkv = k_cache.shape[1]
+    if ks:
+        k = torch.cat(ks).contiguous()
+        v = torch.cat(vs).contiguous()
+    else:
+        k = k_cache.new_empty((0, hkv, k_cache.shape[-1]))
+        v = v_cache.new_empty((0, hkv, v_cache.shape[-1]))
+
+    def cu(lens: list[int]) -> Tensor:
+        acc = [0]
+        for n in lens:
+            acc.append(acc[-1] + n)
+        return torch.tensor(acc, dtype=torch.int32, device=device)
+
+    total_q = sum(q_lens)
+    return {
+        "q": case["q"][:total_q].contiguous(),
+        "k": k,
+        "v": v,
+        "cu_seqlens_q": cu(q_lens),
+        "cu_seqlens_k": cu(kv_lens),
+        "max_q": max(q_lens + [0]),
+        "max_k": max(kv_lens + [0]),
+        "scale": float(case["scale"]),
+        "causal": bool(case["causal"]),
+        "q_lens": q_lens,
+        "kv_lens": kv_lens,
+    }
+
+
+def reference_fp64(dense: dict) -> tuple[Tensor, list[Tensor]]:
+    """Float64 attention on :func:`dense_reference_inputs`' data (CPU; meant for small cases).
+
+    Returns ``out`` (total_q, Hq, Dvo) float64 and, per sequence, its lse (q_len, Hq) float64.
+    Independent of the library: explicit mask, softmax and GQA head mapping.
+    """
+    q = dense["q"].detach().cpu().double()
+    k = dense["k"].detach().cpu().double()
+    v = dense["v"].detach().cpu().double()
+    hq, hkv = q.shape[1], k.shape[1]
+    group = hq // hkv
+    out = torch.zeros((q.shape[0], hq, v.shape[-1]), dtype=torch.float64)
+    lses = []
+    q0 = k0 = 0
+    for lq, lk in zip(dense["q_lens"], dense["kv_lens"]):
+        qs = q[q0 : q0 + lq].transpose(0, 1)  # (Hq, lq, D)
+        kh = k[k0 : k0 + lk].repeat_interleave(group, dim=1).transpose(0, 1)  # (Hq, lk, D)
+        vh = v[k0 : k0 + lk].repeat_interleave(group, dim=1).transpose(0, 1)
+        s = torch.matmul(qs, kh.transpose(1, 2)) * dense["scale"]  # (Hq, lq, lk)
+        if dense["causal"]:
+            i = torch.arange(lq).view(-1, 1)
+            j = torch.arange(lk).view(1, -1)
+            s = s.masked_fill(j > i + (lk - lq), float("-inf"))
+        lse = torch.logsumexp(s, dim=-1) if lk else torch.full((hq, lq), float("-inf"), dtype=torch.float64)
+        p = torch.exp(s - lse.unsqueeze(-1).clamp(min=-1e300))
+        p = torch.nan_to_num(p, nan=0.0)
+        out[q0 : q0 + lq] = torch.matmul(p, vh).transpose(0, 1) if lk else 0.0
+        lses.append(lse.transpose(0, 1).contiguous())
+        q0 += lq
+        k0 += lk
+    return out, lses

@@ -1,0 +1,692 @@
+"""Argument forms and validation of the public function (CPU).
+
+Every bad-input test checks the exception type, that the message names the argument (and says what
+was expected and what was given), and that the caller's ``out`` / ``lse`` are byte-for-byte
+untouched after the raise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import math
+import re
+
+import pytest
+import torch
+from oracle import check, make_case, poison
+
+import pagedprefill
+from pagedprefill import (
+    BackendUnavailableError,
+    batch_prefill_with_kv_cache,
+    cudnn_batch_prefill_with_kv_cache,
+)
+from pagedprefill import api as api_mod
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+B, HQ, HKV, D, PS = 2, 4, 2, 16, 4
+LENS_Q, LENS_KV = [3, 5], [6, 9]  # q rows 0..7, kv pages 2 + 3
+
+
+def random_bits_(t: torch.Tensor, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8, generator=gen)
+    t.view(-1).view(torch.uint8).copy_(raw)
+    return t
+
+
+def as_bytes(t: torch.Tensor) -> bytes:
+    return bytes(t.detach().contiguous().view(-1).view(torch.uint8).tolist())
+
+
+def base_case(page_size: int = PS, bits: bool = True, **kw):
+    """The standard small case; ``bits``: poison out / lse with random bytes (else NaN, as the oracle's
+    check expects)."""
+    opts = dict(
+        lens_q=LENS_Q, lens_kv=LENS_KV, hq=HQ, hkv=HKV, dqk=D, page_size=page_size, extra_table_cols=0
+    )
+    opts.update(kw)
+    case = make_case(77, **opts)
+    if bits and "out" in case.kwargs:
+        random_bits_(case.kwargs["out"], 1)
+    if bits and case.kwargs.get("lse") is not None:
+        random_bits_(case.kwargs["lse"], 2)
+    return case
+
+
+def expect_error(kwargs: dict, match: str, exc=ValueError):
+    """Call with ``kwargs``; assert ``exc`` whose message matches and that out / lse are untouched."""
+    kwargs = dict(kwargs)
+    kwargs.setdefault("backend", "torch")
+    watched = {n: kwargs[n] for n in ("out", "lse") if isinstance(kwargs.get(n), torch.Tensor)}
+    before = {n: as_bytes(t) for n, t in watched.items()}
+    with pytest.raises(exc, match=match) as info:
+        cudnn_batch_prefill_with_kv_cache(**kwargs)
+    for n, t in watched.items():
+        assert as_bytes(t) == before[n], f"{n} was written by a call that raised"
+    return str(info.value)
+
+
+def expect_value_error(kwargs: dict, arg: str, detail: str = ""):
+    msg = expect_error(kwargs, rf"^{re.escape(arg)}: expected {detail}")
+    assert ", got " in msg, msg  # says what was given
+    return msg
+
+
+def paged(**kw):
+    return base_case(PS, **kw).kwargs
+
+
+def ragged(**kw):
+    return base_case(0, **kw).kwargs
+
+
+def with_(kwargs: dict, **over) -> dict:
+    kwargs = dict(kwargs)
+    kwargs.update(over)
+    return kwargs
+
+
+def strided(shape, dtype=F32):
+    """A tensor of ``shape`` whose last dimension has stride 2."""
+    return torch.randn(*shape[:-1], shape[-1] * 2).to(dtype)[..., ::2]
+
+
+# --------------------------------------------------------------------------------------------
+# Signature and exports
+# --------------------------------------------------------------------------------------------
+
+
+def test_signature_is_drop_in_compatible_with_the_seed():
+    sig = inspect.signature(cudnn_batch_prefill_with_kv_cache)
+    params = list(sig.parameters.values())
+    positional = ["q", "k_cache", "v_cache", "scale", "workspace_buffer"]
+    assert [p.name for p in params[:5]] == positional
+    assert all(p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty for p in params[:5])
+    expected_kwonly = {
+        "max_token_per_sequence": inspect.Parameter.empty,
+        "max_sequence_kv": inspect.Parameter.empty,
+        "actual_seq_lens_q": None,
+        "actual_seq_lens_kv": None,
+        "block_tables": None,
+        "causal": inspect.Parameter.empty,
+        "return_lse": inspect.Parameter.empty,
+        "q_scale": None,
+        "k_scale": None,
+        "v_scale": None,
+        "batch_offsets_q": None,
+        "batch_offsets_o": None,
+        "batch_offsets_k": None,
+        "batch_offsets_v": None,
+        "batch_offsets_stats": None,
+        "batch_offsets_units": "elements",
+        "out": None,
+        "lse": None,
+        "is_cuda_graph_compatible": False,
+        "backend": None,
+        "o_data_type": None,
+    }
+    kwonly = {p.name: p.default for p in params[5:]}
+    assert all(p.kind is p.KEYWORD_ONLY for p in params[5:])
+    assert kwonly == expected_kwonly
+
+
+def test_exports():
+    assert pagedprefill.BACKENDS == ("auto", "cudnn", "triton", "torch")
+    assert issubclass(BackendUnavailableError, Exception)
+    assert pagedprefill.batch_prefill_with_kv_cache is batch_prefill_with_kv_cache
+
+
+def test_batch_prefill_defaults_to_auto_and_auto_is_torch_on_cpu(monkeypatch):
+    case = base_case(bits=False)
+    chosen = []
+    real = api_mod._select_backend
+
+    def spy(backend, batch):
+        module = real(backend, batch)
+        chosen.append((backend, module.NAME))
+        return module
+
+    monkeypatch.setattr(api_mod, "_select_backend", spy)
+    out, lse = batch_prefill_with_kv_cache(**case.kwargs)
+    cudnn_batch_prefill_with_kv_cache(**with_(case.kwargs, out=None, lse=None))
+    assert chosen == [("auto", "torch"), (None, "torch")]
+    check(case, out, lse, atol=2e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input: ranks, dtypes, heads, head dims, strides
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "arg,make",
+    [
+        ("q", lambda kw: with_(kw, q=kw["q"][:, 0])),
+        ("q", lambda kw: with_(kw, q=kw["q"][None])),
+        ("k_cache", lambda kw: with_(kw, k_cache=kw["k_cache"][:, 0])),
+        ("v_cache", lambda kw: with_(kw, v_cache=kw["v_cache"][None])),
+    ],
+    ids=["q-rank2", "q-rank4", "paged-k-rank3", "paged-v-rank5"],
+)
+def test_wrong_rank_paged(arg, make):
+    expect_value_error(make(paged()), arg, "rank")
+
+
+@pytest.mark.parametrize("arg", ["k_cache", "v_cache"])
+def test_wrong_rank_ragged(arg):
+    kw = ragged()
+    msg = expect_value_error(with_(kw, **{arg: kw[arg][None]}), arg, "rank 3")
+    assert "block_tables is None" in msg  # says why rank 3 is expected
+
+
+def test_q_not_a_tensor():
+    expect_value_error(with_(paged(), q=[[1.0]]), "q", "a torch.Tensor")
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int8, torch.float64])
+def test_q_wrong_dtype(dtype):
+    kw = paged()
+    expect_value_error(with_(kw, q=(kw["q"] * 4).to(dtype)), "q", "dtype")
+
+
+def test_k_dtype_differs_from_q():
+    kw = paged()
+    expect_value_error(
+        with_(kw, k_cache=kw["k_cache"].half(), v_cache=kw["v_cache"].half()), "k_cache", "dtype"
+    )
+
+
+def test_v_dtype_differs_from_k():
+    kw = paged()
+    expect_value_error(with_(kw, v_cache=kw["v_cache"].half()), "v_cache", "dtype")
+
+
+def test_fp8_q_needs_fp8_cache():
+    kw = paged()
+    q8 = kw["q"].to(E4M3)
+    expect_value_error(with_(kw, q=q8, q_scale=torch.ones(1), out=None), "k_cache", "an fp8 cache")
+
+
+def test_query_heads_not_divisible_by_kv_heads():
+    kw = paged()
+    msg = expect_value_error(with_(kw, q=torch.randn(8, 3, D)), "q", ".*divisible")
+    assert "3" in msg and "2" in msg
+
+
+def test_head_dim_q_vs_k():
+    kw = paged()
+    expect_value_error(with_(kw, q=torch.randn(8, HQ, D * 2)), "k_cache", f"head dim {2 * D}")
+
+
+def test_v_head_count_differs_from_k():
+    kw = paged()
+    expect_value_error(with_(kw, v_cache=kw["v_cache"][:, :1]), "v_cache", f"{HKV} KV heads")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda v: v[:-1], lambda v: v[:, :, :2]],
+    ids=["page-count", "page-size"],
+)
+def test_paged_k_v_pages_differ(make):
+    kw = paged()
+    expect_value_error(with_(kw, v_cache=make(kw["v_cache"])), "v_cache", r"\(num_pages, page_size\)")
+
+
+@pytest.mark.parametrize("arg", ["q", "k_cache", "v_cache", "out"])
+def test_non_unit_last_dim_stride(arg):
+    kw = paged()
+    t = kw[arg]
+    bad = strided(tuple(t.shape), t.dtype)
+    if arg == "out":
+        poison(bad)
+    expect_value_error(with_(kw, **{arg: bad}), arg, "unit stride")
+
+
+def test_ragged_k_non_unit_stride():
+    kw = ragged()
+    expect_value_error(with_(kw, k_cache=strided(tuple(kw["k_cache"].shape))), "k_cache", "unit stride")
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input: lengths, block tables, offsets, row counts
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arg", ["actual_seq_lens_q", "actual_seq_lens_kv"])
+def test_missing_lengths(arg):
+    expect_value_error(with_(paged(), **{arg: None}), arg)
+
+
+def test_lengths_of_wrong_batch_size():
+    expect_value_error(
+        with_(paged(), actual_seq_lens_kv=torch.tensor([6, 9, 1])), "actual_seq_lens_kv", "2 entries"
+    )
+
+
+@pytest.mark.parametrize("arg", ["actual_seq_lens_q", "actual_seq_lens_kv"])
+def test_lengths_float_dtype(arg):
+    kw = paged()
+    expect_value_error(with_(kw, **{arg: kw[arg].float()}), arg, "dtype int32 or int64")
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (2, 1, 1), (1, 2)])
+def test_lengths_wrong_shape(shape):
+    kw = paged()
+    expect_value_error(
+        with_(kw, actual_seq_lens_q=torch.ones(shape, dtype=torch.int32)), "actual_seq_lens_q", "shape"
+    )
+
+
+@pytest.mark.parametrize("arg", ["actual_seq_lens_q", "actual_seq_lens_kv"])
+@pytest.mark.parametrize("graph", [False, True])
+def test_negative_lengths(arg, graph):
+    kw = paged()
+    bad = kw[arg].clone()
+    bad[1] = -1
+    expect_value_error(with_(kw, **{arg: bad}, is_cuda_graph_compatible=graph), arg, "non-negative")
+
+
+@pytest.mark.parametrize(
+    "arg,limit",
+    [("actual_seq_lens_q", "max_token_per_sequence"), ("actual_seq_lens_kv", "max_sequence_kv")],
+)
+@pytest.mark.parametrize("graph", [False, True])
+def test_lengths_above_max(arg, limit, graph):
+    kw = paged(extra_table_cols=3)
+    bad = kw[arg].clone()
+    bad[0] = kw[limit] + 1  # q: 5 + 1 (the table has room for it); kv: 9 + 1
+    msg = expect_value_error(
+        with_(kw, **{arg: bad}, is_cuda_graph_compatible=graph), arg, f"lengths <= {limit} = {kw[limit]}"
+    )
+    assert f"{int(bad[0])} at index 0" in msg
+
+
+def test_kv_length_beyond_block_table_reach():
+    kw = paged()  # table width 3 (ceil(9 / 4)), page size 4
+    assert kw["block_tables"].shape[1] == 3
+    kw = with_(kw, max_sequence_kv=20, actual_seq_lens_kv=torch.tensor([6, 13], dtype=torch.int32))
+    msg = expect_value_error(kw, "actual_seq_lens_kv", "at most block_tables width")
+    assert "12" in msg and "13" in msg
+
+
+def test_block_table_rows_differ_from_batch():
+    kw = paged()
+    expect_value_error(with_(kw, block_tables=kw["block_tables"][:1]), "block_tables", "2 rows")
+
+
+@pytest.mark.parametrize("bad", [-1, "num_pages", 2**31 - 1])
+def test_block_table_entry_out_of_range(bad):
+    kw = paged()
+    table = kw["block_tables"].clone()
+    table[1, 2] = kw["k_cache"].shape[0] if bad == "num_pages" else bad
+    expect_value_error(with_(kw, block_tables=table), "block_tables", "page ids in")
+
+
+def test_block_table_float_dtype():
+    kw = paged()
+    expect_value_error(with_(kw, block_tables=kw["block_tables"].float()), "block_tables", "dtype")
+
+
+@pytest.mark.parametrize("name", ["q", "o", "stats"])
+def test_offsets_of_wrong_length(name):
+    kw = paged(offsets="tokens", lse_layout="packed")
+    key = f"batch_offsets_{name}"
+    expect_value_error(with_(kw, **{key: kw[key][:-1]}), key, f"{B + 1} entries")
+
+
+@pytest.mark.parametrize("name", ["k", "v"])
+def test_ragged_kv_offsets_of_wrong_length(name):
+    kw = ragged(offsets="tokens")
+    key = f"batch_offsets_{name}"
+    expect_value_error(with_(kw, **{key: kw[key][:-1]}), key, f"{B + 1} entries")
+
+
+@pytest.mark.parametrize(
+    "name,unit", [("q", HQ * D), ("o", HQ * D), ("k", HKV * D), ("v", HKV * D), ("stats", HQ)]
+)
+def test_element_offsets_not_whole_tokens(name, unit):
+    kw = ragged(offsets="elements", gaps=True, lse_layout="packed")
+    key = f"batch_offsets_{name}"
+    bad = kw[key].clone()
+    bad[1] += 1
+    msg = expect_value_error(with_(kw, **{key: bad}), key, "element offsets that are whole tokens")
+    assert str(unit) in msg
+
+
+def test_negative_offsets():
+    kw = ragged(offsets="tokens")
+    bad = kw["batch_offsets_q"].clone()
+    bad[0] = -2
+    expect_value_error(with_(kw, batch_offsets_q=bad), "batch_offsets_q", "non-negative")
+
+
+def test_q_with_too_few_rows_for_the_lengths():
+    kw = paged()
+    msg = expect_value_error(with_(kw, q=kw["q"][:7]), "q", "a q with at least 8 rows")
+    assert "7 rows" in msg
+
+
+def test_q_with_too_few_rows_for_the_offsets():
+    kw = paged(offsets="tokens")
+    offs = torch.tensor([0, 4, 9], dtype=torch.int32)  # sequence 1 at rows 4..8, q has 8 rows
+    expect_value_error(with_(kw, batch_offsets_q=offs), "q", "a q with at least 9 rows")
+
+
+def test_out_with_too_few_rows():
+    kw = paged()
+    expect_value_error(with_(kw, out=poison(torch.empty(7, HQ, D))), "out", "an out with at least 8 rows")
+
+
+@pytest.mark.parametrize("arg", ["k_cache", "v_cache"])
+def test_ragged_kv_with_too_few_rows(arg):
+    kw = ragged()
+    expect_value_error(with_(kw, **{arg: kw[arg][:14]}), arg, "a ragged")
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input: out / lse buffers
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(B, 5, HQ + 1), (B, 6, HQ), (B + 1, 5, HQ), (B * 5, HQ)])
+def test_lse_wrong_shape(shape):
+    kw = paged()
+    expect_value_error(with_(kw, lse=poison(torch.empty(shape))), "lse", "shape")
+
+
+@pytest.mark.parametrize("dtype", [F16, torch.float64, BF16])
+def test_lse_wrong_dtype(dtype):
+    expect_value_error(with_(paged(), lse=poison(torch.empty(B, 5, HQ, dtype=dtype))), "lse", "dtype float32")
+
+
+def test_lse_not_contiguous():
+    lse = poison(torch.empty(B, HQ, 5)).transpose(1, 2)
+    assert lse.shape == (B, 5, HQ)
+    expect_value_error(with_(paged(), lse=lse), "lse", "a contiguous")
+
+
+def test_packed_lse_too_small():
+    kw = paged(lse_layout="packed")
+    small = poison(torch.empty(kw["lse"].shape[0] - 1, HQ))
+    expect_value_error(with_(kw, lse=small), "lse", "a buffer of at least")
+
+
+def test_lse_not_a_tensor():
+    expect_value_error(with_(paged(), lse=[0.0]), "lse", "a float32 torch.Tensor")
+
+
+@pytest.mark.parametrize("shape", [(8, HQ, D + 1), (8, HQ + 1, D), (8, HQ * D)])
+def test_out_wrong_shape(shape):
+    expect_value_error(with_(paged(), out=poison(torch.empty(shape))), "out")
+
+
+def test_out_dtype_differs_from_o_data_type():
+    kw = paged()  # out is float32
+    expect_value_error(with_(kw, o_data_type=F16), "out", "dtype torch.float16")
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float64])
+def test_out_of_an_unsupported_dtype(dtype):
+    kw = paged()
+    out = torch.full((8, HQ, D), 7, dtype=dtype)
+    expect_value_error(with_(kw, out=out), "out", "dtype")
+
+
+def test_o_data_type_unsupported():
+    expect_value_error(with_(paged(), out=None, o_data_type=torch.int32), "o_data_type")
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input: fp8 scales, scalars, workspace, backend, units
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("missing", ["q_scale", "k_scale", "v_scale"])
+def test_fp8_without_scales(missing):
+    kw = paged(dtype=E4M3)
+    assert all(isinstance(kw[n], torch.Tensor) for n in ("q_scale", "k_scale", "v_scale"))
+    msg = expect_value_error(with_(kw, **{missing: None}), missing, "a float32 scale tensor")
+    assert "float8_e4m3fn" in msg
+
+
+def test_fp8_kv_with_bf16_q_without_k_scale():
+    kw = paged(dtype=BF16, kv_dtype=E5M2)
+    expect_value_error(with_(kw, k_scale=None), "k_scale", "a float32 scale tensor")
+
+
+@pytest.mark.parametrize("name", ["q_scale", "k_scale", "v_scale"])
+def test_scale_tensor_with_two_elements(name):
+    kw = paged(dtype=E4M3)
+    expect_value_error(with_(kw, **{name: torch.tensor([0.5, 0.5])}), name, "a tensor of one element")
+
+
+@pytest.mark.parametrize("dtype", [F16, torch.float64, torch.int32])
+def test_scale_tensor_wrong_dtype(dtype):
+    kw = paged(dtype=E4M3)
+    expect_value_error(with_(kw, k_scale=torch.ones(1, dtype=dtype)), "k_scale", "dtype float32")
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, "0.1", True])
+def test_softmax_scale_must_be_a_finite_float(bad):
+    expect_value_error(with_(paged(), scale=bad), "scale", "a finite")
+
+
+def test_causal_must_be_bool():
+    expect_value_error(with_(paged(), causal=None), "causal", "a bool")
+
+
+@pytest.mark.parametrize("arg", ["max_token_per_sequence", "max_sequence_kv"])
+@pytest.mark.parametrize("bad", [-1, 2.5])
+def test_max_values(arg, bad):
+    expect_value_error(with_(paged(), **{arg: bad}), arg)
+
+
+def test_workspace_too_small_says_how_many_bytes():
+    kw = paged()
+    msg = expect_value_error(
+        with_(kw, workspace_buffer=torch.empty(16, dtype=torch.uint8)), "workspace_buffer"
+    )
+    need = int(re.search(r"at least (\d+) bytes", msg).group(1))
+    assert need > 16 and "got 16 bytes" in msg
+    # the number is the truth: one byte less fails, exactly that many works
+    expect_value_error(
+        with_(kw, workspace_buffer=torch.empty(need - 1, dtype=torch.uint8)), "workspace_buffer"
+    )
+    case = base_case(bits=False)
+    out, lse = cudnn_batch_prefill_with_kv_cache(
+        **with_(case.kwargs, workspace_buffer=torch.empty(need, dtype=torch.uint8)), backend="torch"
+    )
+    check(case, out, lse, atol=2e-5)
+
+
+def test_workspace_not_a_tensor():
+    expect_value_error(with_(paged(), workspace_buffer=bytearray(1 << 20)), "workspace_buffer")
+
+
+def test_workspace_of_another_dtype_is_counted_in_bytes():
+    case = base_case(bits=False)
+    ws = torch.empty(1 << 18, dtype=torch.float32)  # 1 MiB
+    out, lse = cudnn_batch_prefill_with_kv_cache(**with_(case.kwargs, workspace_buffer=ws), backend="torch")
+    check(case, out, lse, atol=2e-5)
+
+
+@pytest.mark.parametrize("bad", ["cuda", "flash", "TORCH", ""])
+def test_unknown_backend_lists_the_choices(bad):
+    msg = expect_value_error(with_(paged(), backend=bad), "backend", "one of")
+    for name in ("auto", "cudnn", "triton", "torch"):
+        assert repr(name) in msg
+    assert repr(bad) in msg
+
+
+def test_unknown_batch_offsets_units():
+    msg = expect_value_error(
+        with_(paged(offsets="tokens"), batch_offsets_units="bytes"), "batch_offsets_units"
+    )
+    assert "elements" in msg and "tokens" in msg and "bytes" in msg
+
+
+@pytest.mark.parametrize("name", ["triton", "cudnn"])
+def test_gpu_backend_on_cpu_is_unavailable_and_says_why(name, monkeypatch):
+    if importlib.util.find_spec(f"pagedprefill.backends.{name}_backend") is None:
+        pytest.skip(f"pagedprefill.backends.{name}_backend is not written yet")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    msg = expect_error(
+        with_(paged(), backend=name), rf"backend={name!r} is unavailable: \S", BackendUnavailableError
+    )
+    reason = msg.split("unavailable:", 1)[1].lower()
+    assert any(w in reason for w in ("gpu", "cuda", "not importable", "not installed", "pip install")), msg
+
+
+@pytest.mark.gpu
+def test_device_mismatch_on_gpu():
+    case = base_case(bits=False)
+    kw = dict(case.kwargs)
+    kw["q"] = kw["q"].cuda()
+    kw["workspace_buffer"] = kw["workspace_buffer"].cuda()
+    kw["out"] = poison(torch.empty(kw["out"].shape, device="cuda"))
+    kw["lse"] = poison(torch.empty(kw["lse"].shape, device="cuda"))
+    expect_value_error(kw, "k_cache", ".*device")
+    kw["k_cache"], kw["v_cache"] = kw["k_cache"].cuda(), kw["v_cache"].cuda()
+    kw["block_tables"] = kw["block_tables"].cuda()
+    expect_value_error(with_(kw, out=poison(torch.empty(kw["out"].shape))), "out", ".*device")
+
+
+# --------------------------------------------------------------------------------------------
+# Accepted argument forms (results checked against the oracle)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["float", "tensor(1)", "tensor(1,1,1,1)"])
+def test_scale_argument_forms(form):
+    case = base_case(bits=False, dtype=BF16, kv_dtype=E4M3)
+    kw = dict(case.kwargs)  # the oracle reads the original tensor scales from case.kwargs
+    for name in ("k_scale", "v_scale"):
+        value = float(kw[name])
+        if form == "float":
+            kw[name] = value
+        elif form == "tensor(1,1,1,1)":
+            kw[name] = torch.tensor([value]).view(1, 1, 1, 1)
+    out, lse = cudnn_batch_prefill_with_kv_cache(**kw, backend="torch")
+    check(case, out, lse, atol=2e-3, rtol=8e-3, lse_atol=1e-4)
+
+
+def test_paged_batch_offsets_k_v_are_ignored():
+    case = base_case(bits=False)
+    kw = with_(
+        case.kwargs,
+        batch_offsets_k=torch.tensor([0, 999, 5000], dtype=torch.int32),
+        batch_offsets_v=torch.tensor([0, 999, 5000], dtype=torch.int32),
+        batch_offsets_units="tokens",
+    )
+    out, lse = cudnn_batch_prefill_with_kv_cache(**kw, backend="torch")
+    check(case, out, lse, atol=2e-5)
+
+
+def test_max_values_as_scalar_tensors():
+    case = base_case(bits=False)
+    kw = with_(
+        case.kwargs,
+        max_token_per_sequence=torch.tensor(case.kwargs["max_token_per_sequence"]),
+        max_sequence_kv=torch.tensor(case.kwargs["max_sequence_kv"]),
+    )
+    out, lse = cudnn_batch_prefill_with_kv_cache(**kw, backend="torch")
+    check(case, out, lse, atol=2e-5)
+
+
+def test_int64_block_table():
+    case = base_case(bits=False)
+    kw = with_(case.kwargs, block_tables=case.kwargs["block_tables"].long())
+    out, lse = cudnn_batch_prefill_with_kv_cache(**kw, backend="torch")
+    check(case, out, lse, atol=2e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# The normalised metadata (README: one PrefillBatch; checked against the oracle's own starts)
+# --------------------------------------------------------------------------------------------
+
+
+def _normalised(case):
+    kw = case.kwargs
+    return api_mod._normalise(
+        kw["q"],
+        kw["k_cache"],
+        kw["v_cache"],
+        kw["scale"],
+        kw["workspace_buffer"],
+        max_q=kw["max_token_per_sequence"],
+        max_kv=kw["max_sequence_kv"],
+        lens_q=kw["actual_seq_lens_q"],
+        lens_kv=kw["actual_seq_lens_kv"],
+        block_tables=kw.get("block_tables"),
+        causal=kw["causal"],
+        return_lse=kw["return_lse"],
+        scales=(kw.get("q_scale"), kw.get("k_scale"), kw.get("v_scale")),
+        offsets=tuple(kw.get(f"batch_offsets_{n}") for n in ("q", "o", "k", "v", "stats")),
+        units=kw.get("batch_offsets_units", "elements"),
+        out=kw.get("out"),
+        lse=kw.get("lse"),
+        graph_mode=False,
+        o_data_type=None,
+    )
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(page_size=0),
+        dict(page_size=0, offsets="elements", gaps=True, dqk=48, dvo=16, lse_layout="packed"),
+        dict(page_size=3, offsets="tokens", gaps=True, lse_layout="packed"),
+        dict(page_size=3),
+    ],
+    ids=["ragged-prefix", "ragged-elements", "paged-tokens-packed", "paged-prefix"],
+)
+def test_host_metadata_matches_the_layout(opts):
+    case = make_case(88, lens_q=[3, 0, 4], lens_kv=[5, 2, 7], hq=4, hkv=2, **opts)
+    batch = _normalised(case)
+    h = batch.host
+    assert h.lens_q == case.lens_q and h.lens_kv == case.lens_kv
+    assert h.q_start == case.q_start and h.o_start == case.o_start
+    if opts["page_size"] == 0:
+        assert h.k_start == case.info["k_start"] and h.v_start == case.info["k_start"]
+        assert batch.page_size == 0 and not batch.paged
+    else:
+        assert batch.page_size == 3 and batch.paged
+        assert h.block_tables == case.info["block_tables"].tolist()
+    if case.lse_start is not None:
+        assert batch.lse_packed and h.lse_start == case.lse_start
+    else:
+        assert not batch.lse_packed and h.lse_start == [
+            b * case.kwargs["max_token_per_sequence"] * 4 for b in range(3)
+        ]
+    assert (batch.num_qo_heads, batch.num_kv_heads, batch.group_size) == (4, 2, 2)
+
+
+def test_absurd_output_offsets_without_out_raise_instead_of_allocating():
+    kw = paged(offsets="tokens")
+    offs = torch.tensor([0, 2**30, 2**30 + 5], dtype=torch.int32)
+    expect_value_error(with_(kw, out=None, batch_offsets_o=offs), "out", "an out with at least")
+
+
+def test_empty_batch():
+    e = torch.zeros(0, dtype=torch.int32)
+    out, lse = cudnn_batch_prefill_with_kv_cache(
+        torch.randn(0, HQ, D),
+        torch.randn(3, HKV, PS, D),
+        torch.randn(3, HKV, PS, D),
+        0.25,
+        torch.empty(1 << 12, dtype=torch.uint8),
+        max_token_per_sequence=4,
+        max_sequence_kv=8,
+        actual_seq_lens_q=e,
+        actual_seq_lens_kv=e,
+        block_tables=torch.zeros(0, 2, dtype=torch.int32),
+        causal=True,
+        return_lse=True,
+        backend="torch",
+    )
+    assert out.shape == (0, HQ, D) and lse.shape == (0, 4, HQ)

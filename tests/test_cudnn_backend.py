@@ -1,0 +1,670 @@
+"""cuDNN backend: pure-Python parts on the CPU, numerics against the oracle on a GPU (``gpu`` mark)."""
+
+from __future__ import annotations
+
+import math
+import random
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+from oracle import check, make_case, poison
+
+import pagedprefill
+from pagedprefill import api
+from pagedprefill.backends import cudnn_backend as cb
+
+BF16, FP16 = torch.bfloat16, torch.float16
+TOL = {BF16: dict(atol=3e-2, lse_atol=2e-2), FP16: dict(atol=1e-2, lse_atol=5e-3)}
+
+
+def _batch(case) -> api.PrefillBatch:
+    """The normalised PrefillBatch of an oracle case (no backend chosen, nothing run)."""
+    kw = dict(case.kwargs)
+    return api._normalise(
+        kw.pop("q"),
+        kw.pop("k_cache"),
+        kw.pop("v_cache"),
+        kw.pop("scale"),
+        kw.pop("workspace_buffer"),
+        max_q=kw.pop("max_token_per_sequence"),
+        max_kv=kw.pop("max_sequence_kv"),
+        lens_q=kw.pop("actual_seq_lens_q"),
+        lens_kv=kw.pop("actual_seq_lens_kv"),
+        block_tables=kw.pop("block_tables", None),
+        causal=kw.pop("causal"),
+        return_lse=kw.pop("return_lse"),
+        scales=(kw.pop("q_scale", None), kw.pop("k_scale", None), kw.pop("v_scale", None)),
+        offsets=tuple(kw.pop(f"batch_offsets_{n}", None) for n in ("q", "o", "k", "v", "stats")),
+        units=kw.pop("batch_offsets_units", "elements"),
+        out=kw.pop("out", None),
+        lse=kw.pop("lse", None),
+        graph_mode=kw.pop("is_cuda_graph_compatible", False),
+        o_data_type=kw.pop("o_data_type", None),
+    )
+
+
+def _spec(**kw) -> cb.GraphSpec:
+    base = dict(lens_q=[5, 3], lens_kv=[40, 17], hq=8, hkv=2, dqk=128, page_size=16, dtype=BF16)
+    base.update(kw)
+    return cb.graph_spec(_batch(make_case(0, **base)))
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: bucketing, cache key, availability, static limits, graph declaration
+# --------------------------------------------------------------------------------------------
+
+
+def test_bucket_functions():
+    assert [cb.bucket_batch(n) for n in (0, 1, 2, 3, 5, 64, 65)] == [1, 1, 2, 4, 8, 64, 128]
+    assert [cb.bucket_len(n) for n in (0, 1, 64, 65, 256, 257, 4096, 4097, 9000)] == [
+        64,
+        64,
+        64,
+        256,
+        256,
+        1024,
+        4096,
+        8192,
+        16384,
+    ]
+    for n in range(1, 20000, 37):
+        assert cb.bucket_len(n) >= n and cb.bucket_batch(n) >= n
+
+
+def test_bucketing_keeps_distinct_graphs_few():
+    """A serving-like loop (random batch 1..64, random lengths, max_* = the batch maxima) maps to
+    few (batch, max_q, max_kv) buckets: after warm-up, 200 calls add at most ~20 new ones."""
+    rng = random.Random(0)
+
+    def key():
+        b = rng.randint(1, 64)
+        lq = [rng.randint(1, 300) for _ in range(b)]
+        lkv = [q + rng.randint(0, 3000) for q in lq]
+        return cb.bucket_batch(b), cb.bucket_len(max(lq)), cb.bucket_len(max(lkv))
+
+    seen = {key() for _ in range(100)}
+    before = len(seen)
+    seen |= {key() for _ in range(200)}
+    assert len(seen) - before <= 20
+    assert len(seen) <= 40
+
+
+def test_spec_keys_every_layout_and_scalar():
+    base = _spec()
+    assert base == _spec() and hash(base) == hash(_spec())
+    # the anchor's silent reuses: another stride set, another scale
+    variants = {
+        "hnd": _spec(kv_layout="hnd"),
+        "interleaved": _spec(kv_layout="interleaved"),
+        "scale": _spec(scale=0.3),
+        "noncausal": _spec(causal=False),
+        "no_lse": _spec(return_lse=False),
+        "packed_lse": _spec(lse_layout="packed"),
+        "fp16": _spec(dtype=FP16),
+        "page64": _spec(page_size=64),
+        "gqa4": _spec(hkv=4),
+        "d64": _spec(dqk=64),
+        "d192": _spec(dqk=192, dvo=128),
+        "ragged": _spec(page_size=0),
+        "batch3": _spec(lens_q=[5, 3, 2], lens_kv=[40, 17, 9]),
+        "long_q": _spec(max_q=500),
+        "long_kv": _spec(max_kv=5000, extra_table_cols=400),
+    }
+    for name, spec in variants.items():
+        assert spec != base, name
+    assert base.k_strides != variants["hnd"].k_strides != variants["interleaved"].k_strides
+    assert variants["scale"].scale == 0.3
+    # everything the graph reads from the tensors is in the spec
+    b = _batch(make_case(0, lens_q=[5, 3], lens_kv=[40, 17], hq=8, hkv=2, dqk=128, page_size=16, dtype=BF16))
+    s = cb.graph_spec(b)
+    assert s.q_strides == tuple(b.q.stride()[:2]) and s.o_strides == tuple(b.out.stride()[:2])
+    assert s.k_strides == tuple(b.k.stride()) and s.v_strides == tuple(b.v.stride())
+    assert (s.num_pages, s.page_size) == (b.k.shape[0], 16)
+    assert (s.q_dtype, s.kv_dtype, s.o_dtype) == ("bfloat16", "bfloat16", "bfloat16")
+    assert s.stats_mode == "ragged" and s.lse and s.causal and s.paged
+
+
+def test_spec_out_dtype_in_key():
+    case = make_case(0, lens_q=[5, 3], lens_kv=[40, 17], hq=8, hkv=2, dqk=128, page_size=16, dtype=BF16)
+    case.kwargs["out"] = torch.empty(case.kwargs["out"].shape, dtype=torch.float32)
+    assert cb.graph_spec(_batch(case)).o_dtype == "float32"
+    assert cb.graph_spec(_batch(case)) != _spec()
+
+
+def test_spec_is_shared_inside_a_bucket():
+    a = _spec(lens_q=[5, 3], lens_kv=[40, 17])
+    b = _spec(lens_q=[7, 1], lens_kv=[50, 2], max_q=9, max_kv=60)
+    assert a == b  # other lengths, same buckets: one graph
+    assert a.batch == 2 and a.max_q == 64 and a.max_kv == 64
+
+
+def test_table_width_comes_from_our_bucket_not_the_callers_table():
+    narrow = _spec(extra_table_cols=0)
+    wide = _spec(extra_table_cols=37)  # table much wider than max_sequence_kv / page_size
+    assert narrow == wide
+    assert wide.table_width == -(-wide.max_kv // wide.page_size)
+    # the page-table copy covers every key the lengths can reach
+    assert wide.table_width * wide.page_size >= wide.max_kv >= 40
+
+
+def test_max_kv_is_capped_by_table_reach():
+    s = _spec(max_kv=100_000)  # table only reaches 3 pages of 16 keys
+    assert s.max_kv == cb.bucket_len(3 * 16) == 64
+
+
+def test_static_limits():
+    assert cb.static_unsupported_reason(_batch(make_case(0, lens_q=[3], lens_kv=[5], dtype=BF16))) is None
+    r = cb.static_unsupported_reason(_batch(make_case(0, lens_q=[3], lens_kv=[5], dtype=torch.float32)))
+    assert "float32" in r
+    r = cb.static_unsupported_reason(
+        _batch(make_case(0, lens_q=[3], lens_kv=[5], dqk=192, dvo=64, dtype=BF16))
+    )
+    assert "Dqk=192" in r and "Dvo=64" in r
+    r = cb.static_unsupported_reason(_batch(make_case(0, lens_q=[3], lens_kv=[5], page_size=3, dtype=BF16)))
+    assert "power-of-two page size" in r
+    r = cb.static_unsupported_reason(
+        _batch(make_case(0, lens_q=[3], lens_kv=[5], dtype=BF16, kv_dtype=torch.float8_e4m3fn))
+    )
+    assert "one dtype" in r
+    r = cb.static_unsupported_reason(_batch(make_case(0, lens_q=[3], lens_kv=[5], dqk=72, dtype=BF16)))
+    assert r is None  # 72 is a multiple of 8: cuDNN decides
+
+
+def test_scratch_layout_is_aligned_and_sized():
+    spec = _spec()
+    lay = cb.scratch_layout(spec, 12345)
+    for off in (lay.ints, lay.table, lay.floats, lay.stats, lay.workspace):
+        assert off % cb.ALIGN == 0
+    assert lay.row >= spec.batch + 1 and lay.row % 16 == 0
+    assert lay.table >= lay.ints + 7 * lay.row * 4
+    assert lay.total >= lay.workspace + 12345 + cb.ALIGN
+    scratch = cb.scratch_layout(replace(spec, stats_mode="scratch"), 0)
+    assert scratch.workspace - scratch.stats >= spec.batch * spec.num_qo_heads * spec.max_q * 4
+
+
+def test_unavailable_without_gpu():
+    assert cb.unavailable_reason(torch.device("cpu")) == "needs a CUDA GPU"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_requesting_cudnn_on_cpu_raises_helpfully():
+    case = make_case(0, lens_q=[3, 2], lens_kv=[5, 9], dtype=BF16)
+    with pytest.raises(pagedprefill.BackendUnavailableError) as info:
+        pagedprefill.cudnn_batch_prefill_with_kv_cache(**case.kwargs, backend="cudnn")
+    msg = str(info.value)
+    assert "backend='cudnn'" in msg and "needs a CUDA GPU" in msg
+    assert torch.isnan(case.kwargs["out"]).all()  # nothing written
+
+
+def test_missing_package_message(monkeypatch):
+    monkeypatch.setattr(cb, "_CUDNN", None)
+    monkeypatch.setattr(cb, "_CUDNN_ERROR", None)
+    monkeypatch.setitem(sys.modules, "cudnn", None)  # makes `import cudnn` raise ImportError
+    with pytest.raises(ImportError) as info:
+        cb._cudnn()
+    assert "pip install pagedprefill[cudnn]" in str(info.value)
+    assert "nvidia-cudnn-frontend" in str(info.value)
+
+
+def test_package_imports_without_cudnn():
+    code = (
+        "import sys; sys.modules['cudnn'] = None\n"
+        "import pagedprefill, pagedprefill.backends.cudnn_backend as cb\n"
+        "assert cb.graph_builds() == 0\n"
+        "print(cb.unavailable_reason(__import__('torch').device('cpu')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "needs a CUDA GPU" in out.stdout
+
+
+def test_build_counter_and_clear():
+    n = cb.graph_builds()
+    cb.clear_graph_cache()
+    assert cb.graph_builds() == n  # a count of builds, not of cached graphs
+    assert cb.cached_plans() == []
+
+
+def _signature_kwargs(doc: str) -> set[str]:
+    head = doc.split("\n", 1)[0]
+    inner = head[head.index("(") + 1 : head.rindex(")")]
+    names = set()
+    for part in inner.split(","):
+        part = part.strip()
+        if ":" in part:
+            names.add(part.split(":")[0].strip())
+    return names
+
+
+@pytest.mark.parametrize("paged", [True, False])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_graph_declaration_matches_the_binding(paged, fp8):
+    """Declare the graph with the real frontend (pure-Python IR, no GPU needed) and check every
+    attribute against the batch and every sdpa keyword against the C++ binding's signature."""
+    cudnn = pytest.importorskip("cudnn")
+    dtype = torch.float8_e4m3fn if fp8 else BF16
+    case = make_case(
+        0,
+        lens_q=[5, 3, 4],
+        lens_kv=[40, 17, 3],
+        hq=8,
+        hkv=2,
+        dqk=128,
+        page_size=16 if paged else 0,
+        dtype=dtype,
+    )
+    batch = _batch(case)
+    spec = cb.graph_spec(batch)
+    g, t = cb.make_graph(spec, cudnn)
+    (node,) = g.nodes
+    op = "sdpa_fp8" if fp8 else "sdpa"
+    allowed = _signature_kwargs(getattr(cudnn._pybind_module.backend_graph, op).__doc__)
+    captured = set(node.params) | set(node.inputs)
+    assert captured <= allowed, captured - allowed
+    bb, sq, skv = spec.batch, spec.max_q, spec.max_kv
+    assert (bb, sq) == (4, 64)
+    q = t["q"]
+    s0, s1 = batch.q.stride()[:2]
+    assert list(q.dim) == [bb, 8, sq, 128] and list(q.stride) == [sq * s0, s1, s0, 1]
+    assert q.ragged_offset is t["off_q"] and list(t["off_q"].dim) == [bb + 1, 1, 1, 1]
+    o = t["o"]
+    so0, so1 = batch.out.stride()[:2]
+    assert list(o.dim) == [bb, 8, sq, 128] and list(o.stride) == [sq * so0, so1, so0, 1]
+    assert o.ragged_offset is t["off_o"] and not o.is_virtual
+    st = t["stats"]
+    assert list(st.dim) == [bb, 8, sq, 1] and list(st.stride) == [sq * 8, 1, 8, 1]
+    assert st.ragged_offset is t["off_stats"]
+    assert node.params["attn_scale"] == batch.scale
+    assert node.params["use_padding_mask"] is True
+    if fp8:
+        assert node.params["use_causal_mask_bottom_right"] is True
+    else:
+        assert node.params["diagonal_alignment"] == cudnn.diagonal_alignment.BOTTOM_RIGHT
+        assert node.params["diagonal_band_right_bound"] == 0
+    if paged:
+        assert list(t["k"].dim) == list(batch.k.shape) and list(t["k"].stride) == list(batch.k.stride())
+        assert list(t["v"].stride) == list(batch.v.stride())
+        w = spec.table_width
+        assert list(t["table_k"].dim) == [bb, 1, w, 1] and w == -(-skv // 16)
+        assert node.params["paged_attention_max_seq_len_kv"] == skv
+        assert node.inputs["paged_attention_k_table"] is t["table_k"]
+    else:
+        k0, k1 = batch.k.stride()[:2]
+        assert list(t["k"].stride) == [skv * k0, k1, k0, 1] and t["k"].ragged_offset is t["off_k"]
+        assert "paged_attention_max_seq_len_kv" not in node.params
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: the whole run() pipeline with a pure-torch stand-in for the cuDNN plan
+# --------------------------------------------------------------------------------------------
+
+
+def _emulated_cudnn(plan, batch, views, *, device_path=False):
+    """Do what the cuDNN graph is documented to do, reading ONLY the scratch this backend wrote:
+    per-sequence lengths (padding mask), ragged offsets in elements, the page-table copy, bottom-right
+    causal mask; write O (and Stats) rows i < seq_len_q only. Rows with no visible key must never
+    reach it (the backend skips them)."""
+    spec = plan.spec
+    bb, hq, hkv = spec.batch, spec.num_qo_heads, spec.num_kv_heads
+    ints = views.ints.to(torch.int64)
+    seq_q, seq_kv, off_q, off_o, off_k, off_v, off_s = (ints[r] for r in range(7))
+    q, k, v, out = batch.q, batch.k, batch.v, batch.out
+    if views.stats is not None:
+        views.stats.fill_(float("nan"))  # whatever cuDNN leaves in padding rows must not leak
+    for b in range(bb):
+        lq, lkv = int(seq_q[b]), int(seq_kv[b])
+        if lq == 0:
+            continue
+        qb = torch.as_strided(
+            q, (lq, hq, spec.head_dim_qk), (*spec.q_strides, 1), q.storage_offset() + int(off_q[b])
+        )
+        if spec.paged:
+            j = torch.arange(lkv)
+            pages = views.table[b].to(torch.int64)[j // spec.page_size]
+            assert pages.max() < spec.num_pages
+            kb, vb = k[pages, :, j % spec.page_size], v[pages, :, j % spec.page_size]
+        else:
+            kb = torch.as_strided(
+                k, (lkv, hkv, spec.head_dim_qk), (*spec.k_strides, 1), k.storage_offset() + int(off_k[b])
+            )
+            vb = torch.as_strided(
+                v, (lkv, hkv, spec.head_dim_vo), (*spec.v_strides, 1), v.storage_offset() + int(off_v[b])
+            )
+        kh = kb.float().repeat_interleave(hq // hkv, dim=1)
+        vh = vb.float().repeat_interleave(hq // hkv, dim=1)
+        s = torch.einsum("ihd,jhd->hij", qb.float(), kh) * spec.scale
+        if spec.causal:
+            i = torch.arange(lq)[:, None]
+            s = s.masked_fill(torch.arange(lkv)[None, :] > i + lkv - lq, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)  # (Hq, lq)
+        assert torch.isfinite(lse).all(), "a row without visible keys reached cuDNN"
+        o = torch.einsum("hij,jhd->ihd", torch.softmax(s, dim=-1), vh)
+        ob = torch.as_strided(
+            out, (lq, hq, spec.head_dim_vo), (*spec.o_strides, 1), out.storage_offset() + int(off_o[b])
+        )
+        ob.copy_(o.to(out.dtype))
+        if spec.stats_mode == "ragged":
+            torch.as_strided(batch.lse, (lq, hq), (hq, 1), batch.lse.storage_offset() + int(off_s[b])).copy_(
+                lse.T
+            )
+        elif spec.stats_mode == "scratch":
+            views.stats.view(bb, hq, spec.max_q)[b, :, :lq] = lse
+    if device_path:
+        batch.host = None  # make run() fix the empty rows with its CUDA-graph (device-ops) path
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """Route backend='cudnn' on the CPU through run() with the emulated plan."""
+    opts = {"stats_mode": None, "device_path": False, "plans": []}
+
+    def plan_for(batch):
+        spec = cb.graph_spec(batch, opts["stats_mode"])
+        plan = cb._Plan(spec, None, {}, cb.scratch_layout(spec, 4096), "emulated", 0.0)
+        opts["plans"].append(plan)
+        return plan
+
+    monkeypatch.setattr(cb, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(cb, "_plan_for", plan_for)
+    monkeypatch.setattr(
+        cb, "_EXECUTE", lambda p, b, w: _emulated_cudnn(p, b, w, device_path=opts["device_path"])
+    )
+    return opts
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_run_pipeline_emulated(emulated, seed):
+    rng = random.Random(seed)
+    emulated["stats_mode"] = rng.choice([None, "scratch"])
+    emulated["device_path"] = rng.random() < 0.5
+    dqk, dvo = rng.choice([(64, 64), (128, 128), (192, 128)])
+    page_size = rng.choice([0, 1, 4, 16])
+    hkv = rng.choice([1, 2])
+    bsz = rng.randint(1, 6)
+    lens_q = [rng.randint(0, 9) for _ in range(bsz)]
+    lens_kv = [rng.choice([0, rng.randint(0, 30)]) for _ in range(bsz)]
+    offsets = rng.choice(["none", "elements", "tokens"])
+    case = make_case(
+        seed,
+        lens_q=lens_q,
+        lens_kv=lens_kv,
+        hq=hkv * rng.choice([1, 2, 4]),
+        hkv=hkv,
+        dqk=dqk,
+        dvo=dvo,
+        page_size=page_size,
+        kv_layout="interleaved" if dqk == dvo and rng.random() < 0.3 else rng.choice(["nhd", "hnd"]),
+        dtype=BF16,
+        causal=rng.random() < 0.7,
+        offsets=offsets,
+        gaps=offsets != "none" and rng.random() < 0.6,
+        lse_layout=rng.choice(["padded", "packed"]),
+        return_lse=rng.random() < 0.85,
+        max_q=max(lens_q + [1]) + rng.randint(0, 4),
+        max_kv=max(lens_kv + [1]) + rng.randint(0, 4),
+        extra_table_cols=rng.randint(0, 3),
+        scale=rng.choice([None, 0.2]),
+        with_out=rng.random() < 0.8,
+    )
+    out, lse = pagedprefill.cudnn_batch_prefill_with_kv_cache(**case.kwargs, backend="cudnn")
+    check(case, out, lse, **TOL[BF16])
+    (plan,) = emulated["plans"][-1:]
+    assert plan.spec.batch >= len(lens_q)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: numerics against the oracle
+# --------------------------------------------------------------------------------------------
+
+
+def _run(case, **extra):
+    return pagedprefill.cudnn_batch_prefill_with_kv_cache(**case.kwargs, backend="cudnn", **extra)
+
+
+def _check(case, dtype, result):
+    out, lse = result
+    check(case, out, lse, **TOL[dtype])
+
+
+def _gpu_case(seed, **kw):
+    kw.setdefault("device", "cuda")
+    kw.setdefault("workspace_bytes", 64 << 20)
+    return make_case(seed, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(24))
+def test_random_against_oracle(seed):
+    rng = random.Random(seed)
+    dtype = rng.choice([BF16, FP16])
+    dqk, dvo = rng.choice([(64, 64), (128, 128), (192, 128)])
+    page_size = rng.choice([0, 1, 16, 64])
+    kv_layout = "interleaved" if dqk == dvo and rng.random() < 0.3 else rng.choice(["nhd", "hnd"])
+    hkv = rng.choice([1, 2, 4])
+    hq = hkv * rng.choice([1, 2, 4])
+    bsz = rng.randint(1, 5)
+    lens_q = [rng.randint(0, 40) for _ in range(bsz)]
+    lens_kv = [rng.randint(0, 120) for _ in range(bsz)]
+    offsets = rng.choice(["none", "elements", "tokens"])
+    case = _gpu_case(
+        seed,
+        lens_q=lens_q,
+        lens_kv=lens_kv,
+        hq=hq,
+        hkv=hkv,
+        dqk=dqk,
+        dvo=dvo,
+        page_size=page_size,
+        kv_layout=kv_layout,
+        dtype=dtype,
+        causal=rng.random() < 0.7,
+        offsets=offsets,
+        gaps=offsets != "none" and rng.random() < 0.5,
+        lse_layout=rng.choice(["padded", "packed"]),
+        return_lse=rng.random() < 0.85,
+        max_q=max(lens_q + [1]) + rng.randint(0, 5),
+        max_kv=max(lens_kv + [1]) + rng.randint(0, 5),
+        extra_table_cols=rng.randint(0, 4),
+        scale=rng.choice([None, 0.1, 1.0]),
+        lens_on_device=rng.random() < 0.5,
+    )
+    _check(case, dtype, _run(case))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (192, 128)])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_paged_grid(dtype, dims, page_size):
+    case = _gpu_case(
+        1,
+        lens_q=[17, 1, 30],
+        lens_kv=[70, 33, 30],
+        hq=8,
+        hkv=2,
+        dqk=dims[0],
+        dvo=dims[1],
+        page_size=page_size,
+        dtype=dtype,
+    )
+    _check(case, dtype, _run(case))
+
+
+@pytest.mark.gpu
+def test_anchor_contiguous_then_interleaved_kv():
+    before = cb.graph_builds()
+    for layout in ("hnd", "interleaved", "nhd"):
+        case = _gpu_case(
+            2,
+            lens_q=[9, 4],
+            lens_kv=[50, 20],
+            hq=4,
+            hkv=2,
+            dqk=128,
+            page_size=16,
+            kv_layout=layout,
+            dtype=BF16,
+        )
+        _check(case, BF16, _run(case))
+    assert cb.graph_builds() - before <= 3
+
+
+@pytest.mark.gpu
+def test_anchor_same_shapes_other_scale():
+    for scale in (0.05, 1 / math.sqrt(128), 0.5):
+        case = _gpu_case(
+            3, lens_q=[9, 4], lens_kv=[50, 20], hq=4, hkv=2, dqk=128, page_size=16, dtype=BF16, scale=scale
+        )
+        _check(case, BF16, _run(case))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_anchor_batch_without_offsets(page_size):
+    case = _gpu_case(
+        4,
+        lens_q=[7, 12, 3, 9],
+        lens_kv=[30, 12, 64, 9],
+        hq=4,
+        hkv=4,
+        dqk=128,
+        page_size=page_size,
+        dtype=BF16,
+    )
+    _check(case, BF16, _run(case))
+
+
+@pytest.mark.gpu
+def test_anchor_block_table_wider_than_max_kv():
+    case = _gpu_case(
+        5,
+        lens_q=[6, 5, 8],
+        lens_kv=[33, 7, 48],
+        hq=4,
+        hkv=1,
+        dqk=128,
+        page_size=16,
+        dtype=BF16,
+        extra_table_cols=9,
+    )
+    assert case.kwargs["block_tables"].shape[1] > -(-48 // 16)
+    _check(case, BF16, _run(case))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_anchor_lse_padding_rows_untouched(layout):
+    # max_q well above the real lengths: rows i >= q_len of the padded lse must keep their NaN poison
+    case = _gpu_case(
+        6,
+        lens_q=[3, 7, 1],
+        lens_kv=[20, 40, 9],
+        hq=4,
+        hkv=2,
+        dqk=64,
+        page_size=16,
+        dtype=BF16,
+        lse_layout=layout,
+        max_q=16,
+    )
+    _check(case, BF16, _run(case))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("on_device", [False, True])
+def test_rows_without_visible_keys(on_device):
+    case = _gpu_case(
+        7,
+        lens_q=[5, 9, 0, 4],
+        lens_kv=[0, 4, 6, 20],
+        hq=4,
+        hkv=2,
+        dqk=128,
+        page_size=16,
+        dtype=BF16,
+        lens_on_device=on_device,
+    )
+    out, lse = _run(case, is_cuda_graph_compatible=on_device)
+    _check(case, BF16, (out, lse))
+    assert (out[:5].float() == 0).all()  # kv_len 0
+    assert torch.isneginf(lse[0, :5]).all()
+    assert torch.isneginf(lse[1, :5]).all() and torch.isfinite(lse[1, 5:9]).all()  # causal q_len > kv_len
+
+
+@pytest.mark.gpu
+def test_nan_in_unused_page_slots_does_not_leak():
+    case = _gpu_case(8, lens_q=[5, 9], lens_kv=[21, 35], hq=4, hkv=2, dqk=128, page_size=16, dtype=BF16)
+    table = case.info["block_tables"]
+    for b, lkv in enumerate(case.lens_kv):  # poison every slot past kv_len in each last page
+        last = int(table[b, (lkv - 1) // 16])
+        case.kwargs["k_cache"][last, :, lkv % 16 or 16 :] = float("nan")
+        case.kwargs["v_cache"][last, :, lkv % 16 or 16 :] = float("nan")
+    _check(case, BF16, _run(case))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_replay():
+    common = dict(hq=8, hkv=2, dqk=128, page_size=16, dtype=BF16, max_q=16, max_kv=64, lens_on_device=True)
+    a = _gpu_case(10, lens_q=[5, 3, 8], lens_kv=[20, 7, 33], **common)
+    b = _gpu_case(11, lens_q=[8, 5, 3], lens_kv=[33, 20, 7], **common)  # same shapes, permuted lengths
+    kw = dict(a.kwargs, backend="cudnn", is_cuda_graph_compatible=True)
+    pagedprefill.cudnn_batch_prefill_with_kv_cache(**kw)  # warm-up: builds the graph
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        pagedprefill.cudnn_batch_prefill_with_kv_cache(**kw)
+    torch.cuda.current_stream().wait_stream(s)
+    builds = cb.graph_builds()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, lse = pagedprefill.cudnn_batch_prefill_with_kv_cache(**kw)
+    assert cb.graph_builds() == builds
+    for case in (a, b, a):
+        for name in ("q", "k_cache", "v_cache", "actual_seq_lens_q", "actual_seq_lens_kv", "block_tables"):
+            a.kwargs[name].copy_(case.kwargs[name])
+        poison(out)
+        poison(lse)
+        g.replay()
+        torch.cuda.synchronize()
+        check(case, out, lse, **TOL[BF16])
+
+
+@pytest.mark.gpu
+def test_bucketing_limits_graph_builds():
+    rng = random.Random(12)
+
+    def call(i, verify):
+        bsz = rng.randint(1, 64)
+        lens_q = [rng.randint(1, 24) for _ in range(bsz)]
+        lens_kv = [q + rng.randint(0, 200) for q in lens_q]
+        case = _gpu_case(
+            100 + i, lens_q=lens_q, lens_kv=lens_kv, hq=4, hkv=2, dqk=64, page_size=16, dtype=BF16
+        )
+        out, lse = _run(case)
+        if verify:
+            _check(case, BF16, (out, lse))
+
+    for i in range(40):
+        call(i, verify=False)
+    before = cb.graph_builds()
+    for i in range(200):
+        call(1000 + i, verify=i % 50 == 0)
+    assert cb.graph_builds() - before <= 20
+
+
+@pytest.mark.gpu
+def test_fp8_refusal_or_result():
+    case = _gpu_case(
+        13, lens_q=[5, 3], lens_kv=[20, 9], hq=4, hkv=2, dqk=128, page_size=16, dtype=torch.float8_e4m3fn
+    )
+    major, _ = torch.cuda.get_device_capability()
+    if major < 10:
+        with pytest.raises((ValueError, NotImplementedError)) as info:
+            _run(case)
+        assert "cuDNN refuses fp8 attention on this GPU" in str(info.value)
+        assert torch.isnan(case.kwargs["out"].float()).all()  # nothing written
+    else:
+        out, lse = _run(case)
+        check(case, out, lse, atol=6e-2, lse_atol=5e-2)
