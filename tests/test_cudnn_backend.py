@@ -20,9 +20,9 @@ BF16, FP16 = torch.bfloat16, torch.float16
 TOL = {BF16: dict(atol=3e-2, lse_atol=2e-2), FP16: dict(atol=1e-2, lse_atol=5e-3)}
 
 
-def _batch(case) -> api.PrefillBatch:
+def _batch(case, **override) -> api.PrefillBatch:
     """The normalised PrefillBatch of an oracle case (no backend chosen, nothing run)."""
-    kw = dict(case.kwargs)
+    kw = dict(case.kwargs, **override)
     return api._normalise(
         kw.pop("q"),
         kw.pop("k_cache"),
@@ -124,7 +124,7 @@ def test_spec_keys_every_layout_and_scalar():
     assert s.k_strides == tuple(b.k.stride()) and s.v_strides == tuple(b.v.stride())
     assert (s.num_pages, s.page_size) == (b.k.shape[0], 16)
     assert (s.q_dtype, s.kv_dtype, s.o_dtype) == ("bfloat16", "bfloat16", "bfloat16")
-    assert s.stats_mode == "ragged" and s.lse and s.causal and s.paged
+    assert s.lse and not s.lse_packed and s.causal and s.paged
 
 
 def test_spec_out_dtype_in_key():
@@ -176,13 +176,12 @@ def test_static_limits():
 def test_scratch_layout_is_aligned_and_sized():
     spec = _spec()
     lay = cb.scratch_layout(spec, 12345)
-    for off in (lay.ints, lay.table, lay.floats, lay.stats, lay.workspace):
+    for off in (lay.ints, lay.table, lay.floats, lay.workspace):
         assert off % cb.ALIGN == 0
     assert lay.row >= spec.batch + 1 and lay.row % 16 == 0
-    assert lay.table >= lay.ints + 7 * lay.row * 4
+    assert lay.table >= lay.ints + cb._ROWS * lay.row * 4
+    assert lay.floats >= lay.table + spec.batch * spec.table_width * 4
     assert lay.total >= lay.workspace + 12345 + cb.ALIGN
-    scratch = cb.scratch_layout(replace(spec, stats_mode="scratch"), 0)
-    assert scratch.workspace - scratch.stats >= spec.batch * spec.num_qo_heads * spec.max_q * 4
 
 
 def test_unavailable_without_gpu():
@@ -301,7 +300,7 @@ def test_graph_declaration_matches_the_binding(paged, fp8):
 # --------------------------------------------------------------------------------------------
 
 
-def _emulated_cudnn(plan, batch, views, *, device_path=False):
+def _emulated_cudnn(plan, batch, views):
     """Do what the cuDNN graph is documented to do, reading ONLY the scratch this backend wrote:
     per-sequence lengths (padding mask), ragged offsets in elements, the page-table copy, bottom-right
     causal mask; write O (and Stats) rows i < seq_len_q only. Rows with no visible key must never
@@ -311,8 +310,6 @@ def _emulated_cudnn(plan, batch, views, *, device_path=False):
     ints = views.ints.to(torch.int64)
     seq_q, seq_kv, off_q, off_o, off_k, off_v, off_s = (ints[r] for r in range(7))
     q, k, v, out = batch.q, batch.k, batch.v, batch.out
-    if views.stats is not None:
-        views.stats.fill_(float("nan"))  # whatever cuDNN leaves in padding rows must not leak
     for b in range(bb):
         lq, lkv = int(seq_q[b]), int(seq_kv[b])
         if lq == 0:
@@ -345,40 +342,41 @@ def _emulated_cudnn(plan, batch, views, *, device_path=False):
             out, (lq, hq, spec.head_dim_vo), (*spec.o_strides, 1), out.storage_offset() + int(off_o[b])
         )
         ob.copy_(o.to(out.dtype))
-        if spec.stats_mode == "ragged":
+        if spec.lse:
             torch.as_strided(batch.lse, (lq, hq), (hq, 1), batch.lse.storage_offset() + int(off_s[b])).copy_(
                 lse.T
             )
-        elif spec.stats_mode == "scratch":
-            views.stats.view(bb, hq, spec.max_q)[b, :, :lq] = lse
-    if device_path:
-        batch.host = None  # make run() fix the empty rows with its CUDA-graph (device-ops) path
+
+
+def _emulated_plan(batch) -> cb._Plan:
+    spec = cb.graph_spec(batch)
+    return cb._Plan(spec, None, {}, cb.scratch_layout(spec, 4096), "emulated", 0.0)
 
 
 @pytest.fixture
 def emulated(monkeypatch):
-    """Route backend='cudnn' on the CPU through run() with the emulated plan."""
-    opts = {"stats_mode": None, "device_path": False, "plans": []}
+    """Route backend='cudnn' on the CPU through run() with the emulated plan. ``device_path``: drop
+    the host metadata before the api fills ``batch.meta``, as in CUDA-graph mode (lengths on the
+    device), so run() takes its device-ops-only path."""
+    opts = {"device_path": False, "plans": []}
 
     def plan_for(batch):
-        spec = cb.graph_spec(batch, opts["stats_mode"])
-        plan = cb._Plan(spec, None, {}, cb.scratch_layout(spec, 4096), "emulated", 0.0)
-        opts["plans"].append(plan)
+        plan = batch.extras.get("cudnn_plan")
+        if plan is None:
+            plan = batch.extras["cudnn_plan"] = _emulated_plan(batch)
+            opts["plans"].append(plan)
+            if opts["device_path"]:
+                batch.host = None
         return plan
 
     monkeypatch.setattr(cb, "unavailable_reason", lambda device: None)
     monkeypatch.setattr(cb, "_plan_for", plan_for)
-    monkeypatch.setattr(
-        cb, "_EXECUTE", lambda p, b, w: _emulated_cudnn(p, b, w, device_path=opts["device_path"])
-    )
+    monkeypatch.setattr(cb, "_EXECUTE", _emulated_cudnn)
     return opts
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_run_pipeline_emulated(emulated, seed):
+def _random_case(seed, **over):
     rng = random.Random(seed)
-    emulated["stats_mode"] = rng.choice([None, "scratch"])
-    emulated["device_path"] = rng.random() < 0.5
     dqk, dvo = rng.choice([(64, 64), (128, 128), (192, 128)])
     page_size = rng.choice([0, 1, 4, 16])
     hkv = rng.choice([1, 2])
@@ -386,8 +384,7 @@ def test_run_pipeline_emulated(emulated, seed):
     lens_q = [rng.randint(0, 9) for _ in range(bsz)]
     lens_kv = [rng.choice([0, rng.randint(0, 30)]) for _ in range(bsz)]
     offsets = rng.choice(["none", "elements", "tokens"])
-    case = make_case(
-        seed,
+    kw = dict(
         lens_q=lens_q,
         lens_kv=lens_kv,
         hq=hkv * rng.choice([1, 2, 4]),
@@ -408,10 +405,202 @@ def test_run_pipeline_emulated(emulated, seed):
         scale=rng.choice([None, 0.2]),
         with_out=rng.random() < 0.8,
     )
+    kw.update(over)
+    return make_case(seed, **kw)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_run_pipeline_emulated(emulated, seed):
+    emulated["device_path"] = seed % 2 == 1
+    case = _random_case(seed)
     out, lse = pagedprefill.cudnn_batch_prefill_with_kv_cache(**case.kwargs, backend="cudnn")
     check(case, out, lse, **TOL[BF16])
     (plan,) = emulated["plans"][-1:]
-    assert plan.spec.batch >= len(lens_q)
+    assert plan.spec.batch >= len(case.lens_q)
+
+
+class _Fill:
+    """Stand-in for a backend module in api._fill_metadata (only the scratch size matters)."""
+
+    NAME = "cudnn"
+
+    def __init__(self, plan):
+        self.plan = plan
+
+    def workspace_bytes(self, batch):
+        return self.plan.layout.total
+
+
+def _prepared(case, plan, device_path):
+    """A batch with its metadata filled the way api does it, lengths on the host or the device."""
+    batch = _batch(case, workspace_buffer=torch.zeros(1 << 20, dtype=torch.uint8))
+    if device_path:
+        batch.host = None
+    api._fill_metadata(batch, _Fill(plan))
+    return batch
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_host_and_device_metadata_agree(seed):
+    """The Python (host lengths) and the device-ops (CUDA-graph) paths write the same cuDNN
+    metadata and page table, and mark the same rows for the empty-row fix-up."""
+    case = _random_case(1000 + seed, page_size=random.Random(seed).choice([0, 1, 4, 16]))
+    plan = _emulated_plan(_batch(case))
+    got = {}
+    for device_path in (False, True):
+        batch = _prepared(case, plan, device_path)
+        views = cb._views(batch, plan)
+        if device_path:
+            fx = cb._write_device_metadata(batch, plan, views)
+        else:
+            fx = cb._write_host_metadata(batch, plan, views)
+        if plan.spec.paged:
+            cb._write_table(batch, plan, views)
+        table = views.table.clone() if plan.spec.paged else None
+        got[device_path] = (views.ints[: cb._R_FIX].clone(), table, fx)
+    (ih, th, fh), (idv, td, fd) = got[False], got[True]
+    assert torch.equal(ih, idv)
+    if plan.spec.paged:
+        assert torch.equal(th, td)
+    if fh is not None:
+        assert torch.equal(fh.to(torch.int64), fd)
+    else:  # nothing to fix: every range of the device path is empty
+        assert torch.equal(fd[0], fd[1]) and torch.equal(fd[2], fd[3])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_page_table_copy_reads_only_listed_pages(seed):
+    """Entry (b, j) of our table is block_tables[b, min(j, last page of b)]: entries the caller lists
+    past a sequence's last page (garbage, or freed pages) are never handed to cuDNN."""
+    rng = random.Random(seed)
+    ps = rng.choice([1, 4, 16])
+    bsz = rng.randint(1, 7)
+    lens_kv = [rng.choice([0, rng.randint(1, 70)]) for _ in range(bsz)]
+    lens_q = [rng.randint(1, 5) for _ in range(bsz)]
+    case = make_case(seed, lens_q=lens_q, lens_kv=lens_kv, page_size=ps, extra_table_cols=rng.randint(0, 5))
+    bt = case.kwargs["block_tables"]
+    bt[bt < 0] = 10_000 + seed  # unused entries: out-of-range ids (still clamped if ever read)
+    plan = _emulated_plan(_batch(case))
+    batch = _prepared(case, plan, device_path=seed % 2 == 1)
+    views = cb._views(batch, plan)
+    if batch.host is None:
+        cb._write_device_metadata(batch, plan, views)
+    else:
+        cb._write_host_metadata(batch, plan, views)
+    cb._write_table(batch, plan, views)
+    table, npages = views.table, plan.spec.num_pages
+    for b in range(plan.spec.batch):
+        need = -(-lens_kv[b] // ps) if b < bsz else 0
+        for j in range(plan.spec.table_width):
+            if need and lens_q[b]:
+                assert int(table[b, j]) == int(bt[b, min(j, need - 1)])
+            else:
+                assert 0 <= int(table[b, j]) < npages
+
+
+def _kernel_ops(fn) -> tuple[int, list[str]]:
+    """(ops that compute or copy, every aten op) dispatched by ``fn`` (views/metadata ops excluded
+    from the first number)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    views = {"view", "slice", "select", "unbind", "as_strided", "alias", "unsqueeze", "expand", "detach"}
+    names: list[str] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            names.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return sum(n not in views and n != "lift_fresh" for n in names), names
+
+
+@pytest.mark.parametrize("device_path", [False, True])
+def test_per_call_torch_ops_are_few_and_independent_of_batch(device_path):
+    """The host cost of a call is dominated by torch ops: run() issues a fixed handful (no torch op
+    per sequence, none that scales with the batch), whatever the batch size."""
+    counts = {}
+    for bsz in (1, 5, 40):
+        lens_kv = [17 + 3 * b for b in range(bsz)]
+        case = make_case(bsz, lens_q=[4] * bsz, lens_kv=lens_kv, hq=4, hkv=2, dqk=64, page_size=16, dtype=BF16)
+        plan = _emulated_plan(_batch(case))
+        batch = _prepared(case, plan, device_path)
+        batch.extras["cudnn_plan"] = plan
+        plan.consts = cb._make_consts(plan.spec, plan.layout, batch.device)
+        old = cb._EXECUTE
+        cb._EXECUTE = lambda p, b, v: None
+        try:
+            counts[bsz] = _kernel_ops(lambda batch=batch: cb.run(batch))
+        finally:
+            cb._EXECUTE = old
+    kernels = {b: c[0] for b, c in counts.items()}
+    assert len(set(kernels.values())) == 1, kernels
+    limit = 24 if device_path else 6  # host lengths: 1 copy + page table (4); CUDA-graph mode adds the fix-up
+    assert kernels[1] <= limit, counts[1][1]
+    assert len(counts[40][1]) <= limit + 12, counts[40][1]
+
+
+def test_empty_rows_fixup_only_when_needed_with_host_lengths():
+    case = make_case(0, lens_q=[3, 4], lens_kv=[9, 20], hq=4, hkv=2, dqk=64, page_size=16, dtype=BF16)
+    plan = _emulated_plan(_batch(case))
+    batch = _prepared(case, plan, device_path=False)
+    assert cb._write_host_metadata(batch, plan, cb._views(batch, plan)) is None
+    case = make_case(0, lens_q=[3, 4], lens_kv=[0, 2], hq=4, hkv=2, dqk=64, page_size=16, dtype=BF16)
+    batch = _prepared(case, plan, device_path=False)
+    assert cb._write_host_metadata(batch, plan, cb._views(batch, plan)) is not None
+
+
+def test_call_key_determines_the_spec():
+    """Calls with equal cheap keys have equal GraphSpecs (the key may only be finer)."""
+    by_key = {}
+    for seed in range(150):
+        case = _random_case(2000 + seed)
+        batch = _batch(case)
+        spec = cb.graph_spec(batch)
+        assert by_key.setdefault(cb._call_key(batch), spec) == spec
+
+
+def test_serving_loop_bucketing_builds_few_graphs():
+    """One KV cache (fixed num_pages, strides), random batch 1..64, q 16..2048, prefix 0..8192,
+    page 16, max_* = the batch maxima, block table as wide as the longest sequence needs: after
+    warm-up, 1000 calls need at most 20 new graphs."""
+    rng = random.Random(0)
+    cache = torch.empty(4096, 2, 16, 64, dtype=BF16).permute(0, 2, 1, 3)
+    q = torch.empty(1, 4, 64, dtype=BF16)
+
+    def spec():
+        bsz = rng.randint(1, 64)
+        lq = [rng.randint(16, 2048) for _ in range(bsz)]
+        lkv = [x + rng.randint(0, 8192) for x in lq]
+        width = -(-max(lkv) // 16)
+        batch = api.PrefillBatch(
+            q=q.expand(sum(lq), 4, 64),
+            k=cache,
+            v=cache,
+            out=q.expand(sum(lq), 4, 64),
+            lse=torch.empty(1),
+            meta=torch.empty(0),
+            block_tables=torch.empty(bsz, width, dtype=torch.int32),
+            scratch=torch.empty(0),
+            batch_size=bsz,
+            max_q=max(lq),
+            max_kv=max(lkv),
+            num_qo_heads=4,
+            num_kv_heads=2,
+            head_dim_qk=64,
+            head_dim_vo=64,
+            page_size=16,
+            scale=0.125,
+            causal=True,
+            out_dtype=BF16,
+        )
+        return cb.graph_spec(batch)
+
+    seen = {spec() for _ in range(200)}
+    before = len(seen)
+    seen |= {spec() for _ in range(1000)}
+    assert len(seen) - before <= 20, sorted(s.describe() for s in seen)
 
 
 # --------------------------------------------------------------------------------------------

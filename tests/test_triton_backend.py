@@ -186,7 +186,7 @@ def random_params(seed: int, dtypes: tuple, long: bool = False) -> dict:
     return params
 
 
-CPU_GRID = range(48)
+CPU_GRID = range(64)
 
 
 @pytest.mark.parametrize("seed", CPU_GRID)
@@ -226,8 +226,8 @@ def test_grid_covers_features():
 
 @pytest.mark.parametrize(
     "dqk,dvo,page_size",
-    [(96, 96, 3), (192, 128, 16), (112, 80, 1), (16, 32, 0)],
-    ids=["96", "192-128", "112-80-padded-part", "16-32"],
+    [(96, 96, 3), (192, 128, 16), (112, 80, 1), (80, 112, 0), (16, 32, 0)],
+    ids=["96", "192-128", "112-80-padded-qk", "80-112-padded-vo", "16-32"],
 )
 def test_head_dims(dqk, dvo, page_size):
     layout = "nhd"
@@ -324,12 +324,15 @@ def test_split_kv(splits, causal):
 
 
 def test_split_kv_fp8_and_allocated_out():
+    """Split-KV with fp8 K/V (v_scale applied in the merge) and a padded output head dim (112)."""
     case = make_case(
         51,
         lens_q=[2, 5],
         lens_kv=[60, 33],
         hq=4,
         hkv=1,
+        dqk=80,
+        dvo=112,
         page_size=16,
         dtype=torch.float16,
         kv_dtype=torch.float8_e4m3fn,
@@ -393,6 +396,24 @@ def test_check_sampled_detects_errors():
             check_sampled(case, o, lz, atol=5e-3)
 
 
+def test_ragged_v_offsets_independent_of_k():
+    """Ragged K and V at different rows (batch_offsets_v != batch_offsets_k) give the same result."""
+    case = make_case(
+        58, lens_q=[6, 9], lens_kv=[11, 20], page_size=0, dtype=torch.float32, offsets="tokens", device=DEVICE
+    )
+    out1, lse1 = call(case)
+    out1, lse1 = out1.clone(), lse1.clone()
+    check(case, out1, lse1, atol=1e-4)
+    kw = case.kwargs
+    shift = 5
+    v = kw["v_cache"]
+    kw["v_cache"] = torch.cat([torch.full_like(v[:shift], 1e4), v, torch.full_like(v[:2], -1e4)])
+    kw["batch_offsets_v"] = kw["batch_offsets_k"] + shift
+    out2, lse2 = call(case)
+    torch.testing.assert_close(out2, out1, atol=1e-6, rtol=0, equal_nan=True)
+    torch.testing.assert_close(lse2, lse1, atol=1e-6, rtol=0, equal_nan=True)
+
+
 def test_untrusted_block_table_entries_are_clamped():
     """Out-of-range page ids inside the used part of a table are clamped, as the torch backend does."""
     case = make_case(61, lens_q=[5, 8], lens_kv=[10, 13], page_size=3, dtype=torch.float32, device=DEVICE)
@@ -410,6 +431,27 @@ def test_untrusted_block_table_entries_are_clamped():
     tb.run(got)
     torch.testing.assert_close(got.out, ref.out, atol=1e-4, rtol=0, equal_nan=True)
     torch.testing.assert_close(got.lse, ref.lse, atol=1e-4, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_grid_chunking(monkeypatch, splits):
+    """Grids above the CUDA y/z limit are launched in chunks (b_offset / m_offset); simulated with
+    a limit of 2 so that batch and row-block chunks both occur."""
+    monkeypatch.setattr(tb, "GRID_LIMIT", 2)
+    case = make_case(
+        73,
+        lens_q=[40, 3, 0, 17, 9],
+        lens_kv=[30, 3, 4, 17, 40],
+        hq=4,
+        hkv=2,
+        page_size=3,
+        dtype=torch.float16,
+        device=DEVICE,
+    )
+    batch = direct_batch(case)
+    with tb.config_override(num_splits=splits):
+        assert len([p for p in tb.launch_plan(batch) if p[0] is tb._prefill_kernel]) >= 6
+    run_and_check(case, atol_for(torch.float16), num_splits=splits)
 
 
 def test_empty_batches():
@@ -440,6 +482,23 @@ def test_unsupported_head_dim_message():
         call(case)
 
 
+def test_knob_overrides(monkeypatch):
+    case = make_case(74, lens_q=[3], lens_kv=[5], page_size=2, dtype=torch.float16)
+    batch = direct_batch(case)
+    with tb.config_override(BLOCK_M=64, num_stages=2):
+        cfg = tb.choose_config(batch)
+        assert (cfg.BLOCK_M, cfg.num_stages) == (64, 2)
+    monkeypatch.setenv("PAGEDPREFILL_TRITON_CONFIG", "BLOCK_N=32, num_splits=3")
+    assert tb.choose_config(batch).BLOCK_N == 32
+    assert tb.choose_splits(batch, tb.choose_config(batch)) == 3
+    with pytest.raises(ValueError, match="unknown Triton knob 'BLOCKM'"):
+        with tb.config_override(BLOCKM=64):
+            pass
+    with pytest.raises(ValueError, match="power of two"):
+        with tb.config_override(BLOCK_N=48):
+            pass
+
+
 def test_head_dim_split():
     assert tb.split_head_dim(64) == (64, 0, 0)
     assert tb.split_head_dim(96) == (64, 32, 32)
@@ -464,7 +523,7 @@ def _kernel_keys(batch) -> list:
     keys = []
     for kernel, _grid, args, kwargs in tb.launch_plan(batch):
         if not isinstance(kernel, JITFunction):  # interpreted: rebuild the JIT view of the same function
-            kernel = JITFunction(kernel.fn, do_not_specialize=kernel.kwargs["do_not_specialize"])
+            kernel = JITFunction(kernel.fn, **kernel.kwargs)
         binder = create_function_from_signature(kernel.signature, kernel.params, backend)
         _bound, spec, options = binder(*args, **kwargs)
         keys.append((kernel.fn.__name__, compute_cache_key({}, spec, options)))
@@ -748,18 +807,15 @@ def test_gpu_cuda_graph_replay(page_size, splits):
 
 @pytest.mark.gpu
 def test_gpu_no_recompilation():
-    """Warm up, then ~30 calls with random batch sizes, lengths, offsets and tables: no new compile."""
+    """Warm up (one split-KV call, one plain call), then 30 calls with random batch sizes, lengths,
+    offsets, max_q / max_kv, table widths and row counts: no new compilation."""
     r = random.Random(5)
-
-    cache_size = tb.compile_count
-
     compiled = []
-    old_hook = triton.knobs.runtime.jit_post_compile_hook
-    triton.knobs.runtime.jit_post_compile_hook = lambda *a, **k: compiled.append(k.get("repr")) or False
 
-    def one_call(seed):
-        bsz = r.randint(1, 12)
-        lens_q = [r.randint(0, 300) for _ in range(bsz)]
+    def one_call(seed, split):
+        # split: short queries over a long prefix, few programs; else a big grid (max_q >= 1200)
+        bsz = r.randint(1, 3) if split else r.randint(4, 12)
+        lens_q = [r.randint(0, 8 if split else 300) for _ in range(bsz)]
         lens_kv = [q + r.randint(0, 2000) for q in lens_q]
         case = make_case(
             seed,
@@ -773,26 +829,30 @@ def test_gpu_no_recompilation():
             offsets=r.choice(["none", "tokens"]),
             gaps=True,
             lse_layout=r.choice(["padded", "packed"]),
-            max_q=max(lens_q + [1]) + r.randint(0, 50),
-            max_kv=max(lens_kv + [1]) + r.randint(0, 500),
+            max_q=max(lens_q + [1]) + (r.randint(0, 50) if split else 1200),
+            max_kv=max(lens_kv + [1]) + r.randint(1024, 1500),
             extra_table_cols=r.randint(0, 4),
             device="cuda",
             workspace_bytes=1 << 26,
         )
-        out, lse = call(case, num_splits=1)
+        batch = direct_batch(case)
+        assert (tb.choose_splits(batch, tb.choose_config(batch)) > 1) == split
+        out, lse = call(case)
         return case, out, lse
 
+    old_hook = triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = lambda *a, **k: compiled.append(k.get("repr")) or False
     try:
-        for s in range(3):
-            one_call(500 + s)
-        before = cache_size()
+        one_call(500, split=True)
+        one_call(501, split=False)
+        before = tb.compile_count()
         compiled.clear()
         for s in range(30):
-            case, out, lse = one_call(600 + s)
+            case, out, lse = one_call(600 + s, split=s % 2 == 0)
             if s % 10 == 0:
                 check_sampled(case, out, lse, atol=2e-2, seed=s)
         torch.cuda.synchronize()
-        assert cache_size() == before, "a kernel was recompiled for a call that differs only in data"
+        assert tb.compile_count() == before, "a kernel was recompiled for a call that differs only in data"
         assert not compiled, f"compilations after warm-up: {compiled}"
     finally:
         triton.knobs.runtime.jit_post_compile_hook = old_hook

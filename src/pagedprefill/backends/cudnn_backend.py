@@ -2,49 +2,72 @@
 
 How a :class:`~pagedprefill.api.PrefillBatch` becomes one cuDNN graph
 -------------------------------------------------------------------------
-* q / out are described *ragged*: dims ``(Bb, H, Sq, D)``, strides
-  ``(Sq*s0, s1, s0, 1)`` where ``s0, s1`` are the tensor's REAL token and head strides, plus a
-  ragged-offset tensor holding each sequence's first row in ELEMENTS (``start * s0``). Sequence b's
-  rows therefore always come from ``batch.meta`` (prefix sums when the caller gave no offsets), never
-  from ``b * max_q`` (the anchor's "batch > 0 reads the wrong rows" bug cannot happen).
+* q / out are described *ragged*: dims ``(Bb, H, Sq, D)``, strides ``(Sq*s0, s1, s0, 1)`` where
+  ``s0, s1`` are the tensor's REAL token and head strides, plus a ragged-offset tensor holding each
+  sequence's first row in ELEMENTS. Sequence b's rows always come from ``batch.meta`` / ``batch.host``
+  (prefix sums when the caller gave no offsets), never from ``b * max_q`` (the anchor's "batch > 0
+  reads the wrong rows" bug cannot happen).
 * Paged K/V are the page containers ``(num_pages, Hkv, page_size, D)`` with their real strides (NHD,
-  HND and two views of one interleaved buffer all differ and all key different graphs); the page
-  table is a copy of ``batch.block_tables`` in ``batch.scratch`` with its own width
-  ``ceil(Skv / page_size)`` (cuDNN requires exactly that width). Its row stride is ours, so the
-  caller's table width never has to match ``max_sequence_kv / page_size`` (anchor bug 3). Entries are
-  clamped to ``[0, num_pages)``. Ragged K/V are described like q, with their own offsets.
+  HND and two views of one interleaved buffer all differ and all key different graphs). cuDNN reads
+  a page table of OUR width ``ceil(Skv_bucket / page_size)`` from ``batch.scratch``: entry (b, j) is
+  the caller's ``block_tables[b, min(j, last_b)]`` with ``last_b = ceil(kv_len_b / page_size) - 1``,
+  clamped to ``[0, num_pages)``. So the caller's table width never has to match
+  ``max_sequence_kv / page_size`` (anchor bug 3), and entries past a sequence's last page (which the
+  spec says are ignored, and which may name freed pages full of garbage) are never read.
+  Ragged K/V are described like q, with their own offsets.
 * LSE: cuDNN's Stats, natural log, ``(Bb, Hq, Sq, 1)`` token-major (strides ``(Sq*Hq, 1, Hq, 1)``)
-  with a ragged offset = ``batch.meta`` ``lse_start`` (elements). One description serves both the
-  padded ``(B, max_q, Hq)`` layout (offsets ``b*max_q*Hq``) and the packed layout. Ragged tensors are
-  written only for rows ``i < seq_len_q``, so padded LSE rows keep the caller's bytes (anchor bug 4).
-  If the cuDNN library refuses ragged Stats (older than 9.6), the backend falls back to a dense
-  Stats scratch buffer and copies the covered rows with device ops (``stats_mode="scratch"``).
+  with a ragged offset in elements. One description serves both the padded ``(B, max_q, Hq)`` layout
+  and the packed layout. Ragged tensors are written only for rows ``i < seq_len_q``, so padded LSE
+  rows keep the caller's bytes (anchor bug 4). Ragged Stats need cuDNN >= 9.6; older libraries get a
+  clear refusal from :func:`unsupported_reason` (there is no dense-Stats fallback).
 * Masks: padding mask with per-sequence lengths; causal = ``diagonal_alignment=BOTTOM_RIGHT`` and
   ``diagonal_band_right_bound=0``.
 * Rows with no visible key (kv_len 0, or causal rows ``i < q_len - kv_len``) are never handed to
-  cuDNN: the lengths and offsets cuDNN sees start each sequence ``skip = q_len - q_len'`` rows later,
-  with ``q_len' = min(q_len, kv_len)`` (causal) or ``0`` when ``kv_len == 0``. Bottom-right alignment
-  is unchanged by this shift. The skipped rows are then written here: out 0, lse -inf (device ops;
-  with host metadata only when some sequence has such rows).
+  cuDNN (on cuDNN 9.19 it writes NaN for kv_len 0): the lengths and offsets cuDNN sees start each
+  sequence ``skip = q_len - q_len'`` rows later, with ``q_len' = min(q_len, kv_len)`` (causal) or
+  ``0`` when ``kv_len == 0``. Bottom-right alignment is unchanged by this shift. The skipped rows are
+  then written here (out 0, lse -inf) by a handful of device ops; with lengths known on the host this
+  runs only when some sequence has such rows.
+
+Known cuDNN limitation (cannot be fixed here)
+---------------------------------------------
+cuDNN reads whole pages (whole key tiles): the slots past ``kv_len`` in a sequence's LAST page are
+loaded and multiplied by a zero probability. NaN or Inf there gives NaN (0 * NaN) in that sequence's
+output. Those slots must hold finite values (any finite garbage is fine); see ``README``.
+
+Per-call path (host cost matters: a call must cost about what the built graph costs)
+---------------------------------------------------------------------------------------
+The plan (cuDNN graph, scratch layout, device constants) is found through a cheap tuple key and
+cached on ``batch.extras``, so ``unsupported_reason``, ``workspace_bytes`` and ``run`` resolve it
+once per call. cuDNN's int32 metadata (13 rows, see ``_R_*``) is built
+
+* lengths on the host: in Python from ``batch.host`` (no torch op per sequence), then ONE pinned
+  host-to-device copy into ``batch.scratch``;
+* lengths on the device (CUDA-graph mode): by ~9 fixed device ops from ``batch.meta`` (one integer
+  linear map, see :func:`_coefficients`), no host sync, nothing that depends on the lengths' values.
+
+The page table is then one gather (``index_select``) plus a clamp, and the operands are bound to the
+built plan as torch tensors (the frontend reads them natively; bare addresses cost it ~50 us).
 
 Graph cache and bucketing
 -------------------------
 Graphs are cached under :class:`GraphSpec` (+ device, cuDNN handle, engine policy): every dtype, head
-count, head dim, page size, page count, table width, every stride of q/out/K/V, the Stats layout,
+count, head dim, page size, page count, table width, every stride of q/out/K/V, the LSE layout,
 ``scale`` (baked into the graph as a float: a runtime scale tensor would force a device buffer and a
-per-call copy, and serving engines keep one scale per model), causal, LSE on/off, paged/ragged,
-fp8 scales, and the bucketed batch size / max q length / max kv length. The CUDA stream is NOT part
-of the key: a built plan runs on whatever stream ``cudnn.set_stream`` gives its handle at execute
-time (keying on the stream would rebuild inside ``torch.cuda.graph`` capture, which uses a side
-stream). Buckets: batch rounds up to a power of two; lengths to 64 * 4**k up to 4096, then powers of
-two (see :func:`bucket_len`). Padded batch entries get length 0 and page 0 in every table slot.
+per-call copy, and serving engines keep one scale per model), causal, LSE on/off, paged/ragged, fp8,
+and the bucketed batch size / max q length / max kv length. Nothing that changes from call to call in
+a serving loop (lengths, page ids, the caller's table width, row counts of q/out) is in the key except
+through these buckets. The CUDA stream is NOT part of the key: a built plan runs on whatever stream
+``cudnn.set_stream`` gives its handle at execute time. Buckets: batch rounds up to a power of two;
+lengths to 64 * 4**k up to 4096, then powers of two (see :func:`bucket_len`); the table width follows
+the kv bucket. Padded batch entries get length 0, offset 0 and page 0.
 
 CUDA graphs
 -----------
-Everything cuDNN reads (lengths, offsets, page table) is derived on the device from ``batch.meta`` and
-``batch.block_tables`` into ``batch.scratch`` each call: no host sync, no allocation beyond torch
-temporaries. A graph is never built during stream capture (cuDNN's build allocates and synchronises):
-call once with the same shapes before capturing.
+A graph is never built during stream capture (cuDNN's build allocates and synchronises): call once
+with the same shapes before capturing. Capture then records only device ops whose inputs are
+``batch.meta``, the block table and constants created at build time, so a replay serves any lengths
+<= the captured ``max_*`` values.
 """
 
 from __future__ import annotations
@@ -53,7 +76,7 @@ import math
 import os
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -71,14 +94,26 @@ ALIGN = 256  # bytes; every scratch region starts at this alignment
 LEN_MIN = 64  # smallest length bucket
 LEN_GEOMETRIC_UNTIL = 4096  # lengths bucket by x4 up to here, then by x2
 # "auto": the frontend's own routing (FROST python engines where they lead, else the cuDNN
-# library); "backend": the cuDNN library's engines only. Read at each build, part of the key.
+# library); "backend": the cuDNN library's engines only. Read at each call, part of the key.
 ENGINE_POLICY_ENV = "PAGEDPREFILL_CUDNN_ENGINES"
+_FAST_CACHE_MAX = 4096  # call keys remembered (cleared when full; plans stay cached)
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _HALF = (torch.float16, torch.bfloat16)
 
-# Debug knob for scripts/cudnn_smoke.py: hand cuDNN the rows with no visible key instead of
-# skipping them, and do not fix them afterwards (to observe what cuDNN itself writes there).
+# Rows of the int32 metadata block in scratch (each ``layout.row`` entries; padding entries are 0).
+# 0..6 are bound to the cuDNN graph; 7..8 build the page table; 9..12 locate the rows to fix.
+_R_SEQ_Q, _R_SEQ_KV, _R_OFF_Q, _R_OFF_O, _R_OFF_K, _R_OFF_V, _R_OFF_S = range(7)
+_R_LAST = 7  # paged: index of the sequence's last page in its block-table row
+_R_BASE = 8  # paged: flat element offset of the sequence's block-table row (b * row stride)
+_R_FIX = 9  # 4 rows: [out lo, out hi) rows, then [lse lo, lse hi) rows shifted by out's row count
+_ROWS = 13
+# Columns of the (9, row) integer matrix the device path maps linearly onto the rows above.
+_Z_LQ, _Z_LKV, _Z_QS, _Z_OS, _Z_KS, _Z_VS, _Z_LS, _Z_EFF, _Z_ONE = range(9)
+
+# Debug knob for scripts/cudnn_smoke.py (lengths on the host only): hand cuDNN the rows with no
+# visible key instead of skipping them, and do not fix them afterwards (to observe what cuDNN
+# itself writes there).
 _DEBUG_NATIVE_EMPTY_ROWS = False
 
 
@@ -130,16 +165,15 @@ class GraphSpec:
     paged: bool
     page_size: int  # 0 when ragged
     num_pages: int  # 0 when ragged
-    table_width: int  # columns of OUR page table copy = ceil(max_kv / page_size); 0 when ragged
+    table_width: int  # columns of OUR page table = ceil(max_kv / page_size); 0 when ragged
     q_strides: tuple[int, ...]  # (token, head) element strides
     o_strides: tuple[int, ...]
     k_strides: tuple[int, ...]  # paged: all 4; ragged: (token, head)
     v_strides: tuple[int, ...]
     scale: float
     causal: bool
-    lse: bool
+    lse: bool  # Stats written in place at ragged offsets
     lse_packed: bool
-    stats_mode: str  # "ragged" (Stats written in place) | "scratch" | "none"
     fp8: bool
     batch: int  # bucketed batch size
     max_q: int  # bucketed max query length
@@ -151,32 +185,31 @@ class GraphSpec:
             if self.paged
             else "ragged kv"
         )
+        lse = ("packed" if self.lse_packed else "padded") if self.lse else "none"
         return (
             f"{self.q_dtype}/{self.kv_dtype}->{self.o_dtype} Hq={self.num_qo_heads} Hkv={self.num_kv_heads} "
             f"D={self.head_dim_qk}/{self.head_dim_vo} {kv} B={self.batch} Sq={self.max_q} Skv={self.max_kv} "
-            f"causal={self.causal} lse={self.stats_mode}"
+            f"causal={self.causal} lse={lse}"
         )
 
 
-def graph_spec(batch: PrefillBatch, stats_mode: str | None = None) -> GraphSpec:
+def _kv_cap(batch: PrefillBatch) -> int:
+    """The longest kv length a call can have: max_sequence_kv, capped by the block table's reach."""
+    if batch.paged:
+        return min(batch.max_kv, batch.block_tables.shape[1] * batch.page_size)
+    return batch.max_kv
+
+
+def graph_spec(batch: PrefillBatch) -> GraphSpec:
     """The :class:`GraphSpec` of a batch (pure function of shapes/strides/dtypes/flags)."""
     paged = batch.paged
     ps = batch.page_size if paged else 0
-    if paged:
-        width = batch.block_tables.shape[1]
-        kv_cap = min(batch.max_kv, width * ps)
-    else:
-        kv_cap = batch.max_kv
-    max_kv = bucket_len(kv_cap)
+    max_kv = bucket_len(_kv_cap(batch))
     q_st, o_st = _strides(batch.q), _strides(batch.out)
     k_st, v_st = _strides(batch.k), _strides(batch.v)
     if not paged:
         k_st, v_st = k_st[:2], v_st[:2]
     lse = batch.lse is not None
-    if stats_mode is None:
-        stats_mode = "ragged" if lse else "none"
-    elif not lse:
-        stats_mode = "none"
     return GraphSpec(
         q_dtype=_dtype_name(batch.q.dtype),
         kv_dtype=_dtype_name(batch.k.dtype),
@@ -197,12 +230,50 @@ def graph_spec(batch: PrefillBatch, stats_mode: str | None = None) -> GraphSpec:
         causal=bool(batch.causal),
         lse=lse,
         lse_packed=bool(batch.lse_packed) if lse else False,
-        stats_mode=stats_mode,
         fp8=batch.q.dtype in _FP8,
         batch=bucket_batch(batch.batch_size),
         max_q=bucket_len(batch.max_q),
         max_kv=max_kv,
     )
+
+
+def _call_key(batch: PrefillBatch) -> tuple:
+    """A cheap key that determines :func:`graph_spec` and the shape/stride part of
+    :func:`static_unsupported_reason` (a superset of both: equal keys give equal answers)."""
+    q, k, v, out = batch.q, batch.k, batch.v, batch.out
+    return (
+        q.dtype,
+        k.dtype,
+        v.dtype,
+        out.dtype,
+        q.shape[1:],
+        k.shape if batch.paged else k.shape[1:],
+        v.shape if batch.paged else v.shape[1:],
+        q.stride(),
+        out.stride(),
+        k.stride(),
+        v.stride(),
+        min(q.shape[0], 2),  # 0 / 1 / more rows: what _strides and the numel() checks look at
+        min(out.shape[0], 2),
+        min(k.shape[0], 2),
+        min(v.shape[0], 2),
+        batch.paged,
+        bucket_batch(batch.batch_size),
+        bucket_len(batch.max_q),
+        bucket_len(_kv_cap(batch)),
+        batch.scale,
+        batch.causal,
+        batch.lse is not None,
+        batch.lse_packed,
+    )
+
+
+def _call_key_of(batch: PrefillBatch) -> tuple:
+    """:func:`_call_key`, computed once per call (kept in ``batch.extras``)."""
+    key = batch.extras.get("cudnn_key")
+    if key is None:
+        key = batch.extras["cudnn_key"] = _call_key(batch)
+    return key
 
 
 def _round_up(n: int, a: int) -> int:
@@ -213,11 +284,10 @@ def _round_up(n: int, a: int) -> int:
 class ScratchLayout:
     """Byte offsets of this backend's regions inside ``batch.scratch`` (after an alignment pad)."""
 
-    row: int  # int32 elements per metadata row (>= batch + 1, multiple of 16)
-    ints: int  # 7 metadata rows: seq_q, seq_kv, off_q, off_o, off_k, off_v, off_stats
+    row: int  # int32 entries per metadata row (>= batch + 1, multiple of 16)
+    ints: int  # _ROWS int32 metadata rows (see _R_*)
     table: int  # int32 (batch, table_width) page table
     floats: int  # fp8 constants + amax outputs (8 floats)
-    stats: int  # float32 (batch, Hq, max_q) dense Stats (stats_mode == "scratch")
     workspace: int  # cuDNN workspace
     workspace_size: int
     total: int  # bytes needed including ALIGN slack for an unaligned scratch base
@@ -227,22 +297,20 @@ def scratch_layout(spec: GraphSpec, cudnn_workspace: int) -> ScratchLayout:
     row = _round_up(spec.batch + 1, 16)
     off = 0
     ints = off
-    off = _round_up(off + 7 * row * 4, ALIGN)
+    off = _round_up(off + _ROWS * row * 4, ALIGN)
     table = off
     if spec.paged:
         off = _round_up(off + spec.batch * spec.table_width * 4, ALIGN)
     floats = off
-    off = _round_up(off + 8 * 4, ALIGN)
-    stats = off
-    if spec.stats_mode == "scratch":
-        off = _round_up(off + spec.batch * spec.num_qo_heads * spec.max_q * 4, ALIGN)
+    if spec.fp8:
+        off = _round_up(off + 8 * 4, ALIGN)
     workspace = off
     off = _round_up(off + max(int(cudnn_workspace), 0), ALIGN)
-    return ScratchLayout(row, ints, table, floats, stats, workspace, int(cudnn_workspace), off + ALIGN)
+    return ScratchLayout(row, ints, table, floats, workspace, int(cudnn_workspace), off + ALIGN)
 
 
-def static_unsupported_reason(batch: PrefillBatch) -> str | None:
-    """Why cuDNN cannot serve this call, from shapes/dtypes/strides alone (no cudnn, no GPU)."""
+def _static_reason(batch: PrefillBatch) -> str | None:
+    """The part of :func:`static_unsupported_reason` that depends only on :func:`_call_key`."""
     q, k, v, out = batch.q, batch.k, batch.v, batch.out
     if q.dtype == torch.float32:
         return (
@@ -265,8 +333,7 @@ def static_unsupported_reason(batch: PrefillBatch) -> str | None:
         return f"cuDNN SDPA serves Dqk == Dvo, or Dqk=192 with Dvo=128; got Dqk={dqk}, Dvo={dvo}"
     if batch.paged and (batch.page_size & (batch.page_size - 1)):
         return f"cuDNN paged attention needs a power-of-two page size; got {batch.page_size}"
-    names = (("q", q), ("k_cache", k), ("v_cache", v), ("out", out))
-    for name, t in names:
+    for name, t in (("q", q), ("k_cache", k), ("v_cache", v), ("out", out)):
         if t.numel() == 0:
             continue
         esize = t.element_size()
@@ -281,15 +348,36 @@ def static_unsupported_reason(batch: PrefillBatch) -> str | None:
                     f"cuDNN needs 16-byte aligned strides; {name} has strides {tuple(t.stride())} "
                     f"({esize}-byte elements)"
                 )
-        if t.data_ptr() % 16:
-            return f"cuDNN needs 16-byte aligned tensors; {name} starts at an address that is not"
-    for name, t in (("q", q), ("out", out)) + ((("k_cache", k), ("v_cache", v)) if not batch.paged else ()):
-        span = t.shape[0] * _strides(t)[0]
-        if span > INT32_MAX:
-            return f"{name} spans {span} elements; cuDNN ragged offsets are int32"
-    if batch.paged and batch.k.shape[0] > INT32_MAX:
+    if batch.paged and k.shape[0] > INT32_MAX:
         return "too many pages for int32 page tables"
     return None
+
+
+def _per_call_reason(batch: PrefillBatch) -> str | None:
+    """The part of :func:`static_unsupported_reason` that changes from call to call: addresses and
+    row counts (int32 offsets)."""
+    for name, t in (("q", batch.q), ("k_cache", batch.k), ("v_cache", batch.v), ("out", batch.out)):
+        if t.numel() and t.data_ptr() % 16:
+            return f"cuDNN needs 16-byte aligned tensors; {name} starts at an address that is not"
+    spans = [("q", batch.q), ("out", batch.out)]
+    if not batch.paged:
+        spans += [("k_cache", batch.k), ("v_cache", batch.v)]
+    for name, t in spans:
+        span = t.shape[0] * t.stride(0)
+        if span > INT32_MAX:
+            return f"{name} spans {span} elements; cuDNN ragged offsets are int32"
+    if batch.paged:
+        bt = batch.block_tables
+        if bt.shape[0] and bt.shape[0] * max(bt.stride(0), bt.shape[1]) > INT32_MAX:
+            return (
+                f"block_tables spans more than {INT32_MAX} entries; our page-table copy indexes it in int32"
+            )
+    return None
+
+
+def static_unsupported_reason(batch: PrefillBatch) -> str | None:
+    """Why cuDNN cannot serve this call, from shapes/dtypes/strides/addresses alone (no cudnn, no GPU)."""
+    return _static_reason(batch) or _per_call_reason(batch)
 
 
 # --------------------------------------------------------------------------------------------
@@ -300,10 +388,12 @@ _CUDNN: Any = None
 _CUDNN_ERROR: str | None = None
 _TLS = threading.local()
 _LOCK = threading.RLock()
-_CACHE: dict[tuple, _Plan] = {}
-_FAILED: dict[tuple, str] = {}
-_RAGGED_STATS_REFUSED: set[int] = set()  # device indices whose cuDNN refused ragged Stats
+_CACHE: dict[tuple, _Plan] = {}  # (GraphSpec, device, handle, policy) -> built plan
+_FAILED: dict[tuple, str] = {}  # same key -> why cuDNN refused it
+_FAST: dict[tuple, Any] = {}  # (_call_key, device, handle, policy) -> plan | refusal | static reason
+_AVAILABLE: set[int] = set()  # device indices where unavailable_reason() said None
 _BUILDS = 0
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _cudnn() -> Any:
@@ -332,6 +422,8 @@ def backend_version() -> int | None:
 def unavailable_reason(device: torch.device) -> str | None:
     if device.type != "cuda":
         return "needs a CUDA GPU"
+    if device.index in _AVAILABLE:
+        return None
     if not torch.cuda.is_available():
         return "needs a CUDA GPU (torch.cuda.is_available() is False)"
     try:
@@ -348,6 +440,7 @@ def unavailable_reason(device: torch.device) -> str | None:
             f"{MIN_BACKEND_VERSION // 10000}.{MIN_BACKEND_VERSION // 100 % 100}; "
             "pip install -U nvidia-cudnn-cu12"
         )
+    _AVAILABLE.add(device.index)
     return None
 
 
@@ -366,6 +459,12 @@ def _handle(dev: int) -> Any:
             h = _cudnn().create_handle()
         handles[dev] = h
     return h
+
+
+def _current_stream(dev: int) -> int:
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(dev)
+    return torch.cuda.current_stream(dev).cuda_stream
 
 
 def _engine_policy() -> str:
@@ -387,7 +486,7 @@ def clear_graph_cache() -> None:
     with _LOCK:
         _CACHE.clear()
         _FAILED.clear()
-        _RAGGED_STATS_REFUSED.clear()
+        _FAST.clear()
 
 
 def cached_plans() -> list[_Plan]:
@@ -402,6 +501,18 @@ def cached_plans() -> list[_Plan]:
 
 
 @dataclass
+class _Consts:
+    """Device constants of a plan (created once, before any capture; never written)."""
+
+    coef: Tensor  # (_ROWS, 9, 1) int64: the linear map of the device path (see _coefficients)
+    ones: Tensor  # (1, row) int64
+    arange: Tensor  # (row,) int64: batch index
+    cols: Tensor  # (1, table_width) int64: page-table column index
+    signs: Tensor  # (4, 1) int32: +1 / -1 for the range ends of the fix-up
+    fp8: Tensor  # (3,) float32: descale_s, scale_s, scale_o
+
+
+@dataclass
 class _Plan:
     spec: GraphSpec
     graph: Any
@@ -410,6 +521,9 @@ class _Plan:
     engine: str
     build_seconds: float
     key: tuple = field(default=(), repr=False)
+    consts: _Consts | None = field(default=None, repr=False)
+    binding: str = "tensors"  # how operands reach graph.execute: "tensors" | "addresses"
+    binding_error: str | None = None  # why "tensors" was given up, if it was
 
 
 def _cudnn_dtype(cudnn: Any, name: str) -> Any:
@@ -522,10 +636,62 @@ def make_graph(spec: GraphSpec, cudnn: Any, **graph_kwargs: Any) -> tuple[Any, d
     t["o"] = o
     if spec.lse:
         stats.set_output(True).set_dim([bb, hq, sq, 1]).set_stride([sq * hq, 1, hq, 1]).set_data_type(f32)
-        if spec.stats_mode == "ragged":
-            stats.set_ragged_offset(vec("off_stats", bb + 1))
+        stats.set_ragged_offset(vec("off_stats", bb + 1))
         t["stats"] = stats
     return g, t
+
+
+def _coefficients(spec: GraphSpec) -> list[list[int]]:
+    """The (_ROWS, 9) integer matrix C of the device path: ``rows = C @ Z`` where Z's rows are
+    lens_q, lens_kv, q_start, o_start, k_start, v_start, lse_start (``batch.meta``), q_len' (rows
+    handed to cuDNN) and 1, one column per sequence. ``skip = lens_q - q_len'``."""
+    c = [[0] * 9 for _ in range(_ROWS)]
+
+    def shifted(r: int, start: int, scale: int, step: int) -> None:  # scale * start + step * skip
+        c[r][start] = scale
+        c[r][_Z_LQ] += step
+        c[r][_Z_EFF] -= step
+
+    sq0, so0 = spec.q_strides[0], spec.o_strides[0]
+    c[_R_SEQ_Q][_Z_EFF] = 1
+    c[_R_SEQ_KV][_Z_LKV] = 1
+    shifted(_R_OFF_Q, _Z_QS, sq0, sq0)
+    shifted(_R_OFF_O, _Z_OS, so0, so0)
+    if not spec.paged:
+        c[_R_OFF_K][_Z_KS] = spec.k_strides[0]
+        c[_R_OFF_V][_Z_VS] = spec.v_strides[0]
+    else:  # kv_len - 1; the device path floor-divides by page_size (base: b * row stride, added there)
+        c[_R_LAST][_Z_LKV] = 1
+        c[_R_LAST][_Z_ONE] = -1
+    hq = spec.num_qo_heads
+    if spec.lse:
+        shifted(_R_OFF_S, _Z_LS, 1, hq)
+    shifted(_R_FIX, _Z_OS, 1, 0)
+    shifted(_R_FIX + 1, _Z_OS, 1, 1)
+    if spec.lse:  # in lse elements here; the device path divides by Hq and shifts by out's rows
+        shifted(_R_FIX + 2, _Z_LS, 1, 0)
+        shifted(_R_FIX + 3, _Z_LS, 1, hq)
+    return c
+
+
+def _make_consts(spec: GraphSpec, layout: ScratchLayout, device: torch.device) -> _Consts:
+    """Build on the CPU, then blocking copies: complete on the device before any stream uses them."""
+    row = layout.row
+    cpu = _Consts(
+        coef=torch.tensor(_coefficients(spec), dtype=torch.int64).unsqueeze(-1),
+        ones=torch.ones((1, row), dtype=torch.int64),
+        arange=torch.arange(row, dtype=torch.int64),
+        cols=torch.arange(max(spec.table_width, 1), dtype=torch.int64).unsqueeze(0),
+        signs=torch.tensor([[1], [-1], [1], [-1]], dtype=torch.int32),
+        fp8=torch.tensor([1.0 / 256.0, 256.0, 1.0], dtype=torch.float32),
+    )
+    return _Consts(*(getattr(cpu, f).to(device) for f in cpu.__dataclass_fields__))
+
+
+def _consts(plan: _Plan, device: torch.device) -> _Consts:
+    if plan.consts is None:  # plans built by _build already have them; CPU test plans get them here
+        plan.consts = _make_consts(plan.spec, plan.layout, device)
+    return plan.consts
 
 
 def _plan_name(g: Any) -> str:
@@ -551,7 +717,11 @@ def _build(spec: GraphSpec, dev: int, handle: Any, policy: str) -> _Plan:
         g.check_support()
         g.build_plans()
         ws = int(g.get_workspace_size())
-    return _Plan(spec, g, tensors, scratch_layout(spec, ws), _plan_name(g), time.perf_counter() - t0)
+        layout = scratch_layout(spec, ws)
+        consts = _make_consts(spec, layout, torch.device("cuda", dev))
+    plan = _Plan(spec, g, tensors, layout, _plan_name(g), time.perf_counter() - t0)
+    plan.consts = consts
+    return plan
 
 
 def _refusal(spec: GraphSpec, dev: int, exc: BaseException) -> str:
@@ -562,27 +732,40 @@ def _refusal(spec: GraphSpec, dev: int, exc: BaseException) -> str:
         major, minor = torch.cuda.get_device_capability(dev)
         return f"cuDNN refuses fp8 attention on this GPU (sm{major}{minor}): {msg}"
     ver = backend_version()
+    hint = (
+        " (the graph writes the LSE through ragged Stats offsets; return_lse=False or backend='triton' "
+        "may serve the call)"
+        if spec.lse
+        else ""
+    )
     return (
-        f"cuDNN {ver} could not build this attention graph ({spec.describe()}): {type(exc).__name__}: {msg}"
+        f"cuDNN {ver} could not build this attention graph ({spec.describe()}): "
+        f"{type(exc).__name__}: {msg}{hint}"
     )
 
 
-def _plan_for(batch: PrefillBatch) -> _Plan | str:
-    """The built plan for ``batch`` (cached), or the reason it cannot be built. Never raises for a
-    build refusal; never builds during CUDA stream capture."""
+def _plan_for_spec(spec: GraphSpec, dev: int) -> _Plan | str:
+    """The built plan for ``spec`` on device ``dev`` (cached), or the reason it cannot be built.
+    Never raises for a build refusal; never builds during CUDA stream capture."""
     global _BUILDS
-    dev = _device_index(batch.device)
-    stats_mode = "scratch" if dev in _RAGGED_STATS_REFUSED else None
-    spec = graph_spec(batch, stats_mode)
     handle = _handle(dev)
-    policy = _engine_policy()
-    key = (spec, dev, handle.backend_handle, policy)
+    key = (spec, dev, handle.backend_handle, _engine_policy())
     with _LOCK:
         plan = _CACHE.get(key)
         if plan is not None:
             return plan
         if key in _FAILED:
             return _FAILED[key]
+        if spec.lse:
+            ver = backend_version()
+            if ver is not None and ver < RAGGED_STATS_VERSION:
+                reason = (
+                    f"cuDNN {ver} cannot write the LSE per sequence at ragged offsets (ragged Stats "
+                    f"need cuDNN >= {RAGGED_STATS_VERSION // 10000}.{RAGGED_STATS_VERSION // 100 % 100}); "
+                    "call with return_lse=False, use backend='triton', or pip install -U nvidia-cudnn-cu12"
+                )
+                _FAILED[key] = reason
+                return reason
         if torch.cuda.is_current_stream_capturing():
             return (
                 "no cuDNN graph is built for this shape bucket yet, and cuDNN cannot build one during CUDA "
@@ -590,22 +773,8 @@ def _plan_for(batch: PrefillBatch) -> _Plan | str:
                 f"({spec.describe()})"
             )
         try:
-            plan = _build(spec, dev, handle, policy)
+            plan = _build(spec, dev, handle, key[3])
         except Exception as exc:  # cudnnGraphNotSupportedError, ValueError, RuntimeError, ...
-            if spec.stats_mode == "ragged":
-                # Maybe only the ragged Stats layout is refused (cuDNN < 9.6): retry with scratch.
-                alt = replace(spec, stats_mode="scratch")
-                try:
-                    plan = _build(alt, dev, handle, policy)
-                except Exception:
-                    plan = None
-                if plan is not None:
-                    _RAGGED_STATS_REFUSED.add(dev)
-                    alt_key = (alt, dev, handle.backend_handle, policy)
-                    plan.key = alt_key
-                    _CACHE[alt_key] = plan
-                    _BUILDS += 1
-                    return plan
             reason = _refusal(spec, dev, exc)
             _FAILED[key] = reason
             return reason
@@ -615,19 +784,55 @@ def _plan_for(batch: PrefillBatch) -> _Plan | str:
         return plan
 
 
+def _remember(key: tuple, value: Any) -> None:
+    if len(_FAST) >= _FAST_CACHE_MAX:
+        _FAST.clear()
+    _FAST[key] = value
+
+
+def _plan_for(batch: PrefillBatch) -> _Plan | str:
+    """The plan serving ``batch`` or the reason there is none; resolved once per call (kept in
+    ``batch.extras``) and through a cheap key across calls."""
+    got = batch.extras.get("cudnn_plan")
+    if got is not None:
+        return got
+    dev = _device_index(batch.device)
+    fast = (_call_key_of(batch), dev, _handle(dev).backend_handle, _engine_policy())
+    got = _FAST.get(fast)
+    if got is None:
+        got = _plan_for_spec(graph_spec(batch), dev)
+        if isinstance(got, _Plan) or not torch.cuda.is_current_stream_capturing():
+            _remember(fast, got)
+    batch.extras["cudnn_plan"] = got
+    return got
+
+
 # --------------------------------------------------------------------------------------------
 # Backend protocol
 # --------------------------------------------------------------------------------------------
 
 
+_NO_REASON = ""
+
+
 def unsupported_reason(batch: PrefillBatch) -> str | None:
-    reason = static_unsupported_reason(batch)
-    if reason is not None or batch.device.type != "cuda":
-        return reason
+    key = ("static", _call_key_of(batch))
+    reason = _FAST.get(key)
+    if reason is None:
+        reason = _static_reason(batch) or _NO_REASON
+        _remember(key, reason)
+    reason = reason or _per_call_reason(batch)
+    if reason or batch.device.type != "cuda":
+        return reason or None
     if batch.batch_size == 0 or batch.max_q == 0:
         return None  # no query rows: nothing to build or run
     if unavailable_reason(batch.device) is not None:
         return None  # the caller reports unavailability separately
+    if batch.host is not None and torch.cuda.is_current_stream_capturing():
+        return (
+            "lengths on the host cannot be captured in a CUDA graph (the capture would replay this "
+            "call's lengths forever): pass them on the device with is_cuda_graph_compatible=True"
+        )
     got = _plan_for(batch)
     return got if isinstance(got, str) else None
 
@@ -641,133 +846,191 @@ def workspace_bytes(batch: PrefillBatch) -> int:
     return got.layout.total
 
 
-def _region(scratch: Tensor, base: int, offset: int, nbytes: int, dtype: torch.dtype) -> Tensor:
-    return scratch[base + offset : base + offset + nbytes].view(dtype)
-
-
 @dataclass
 class _Views:
-    """What :func:`_write_metadata` derived for one call (all device tensors / addresses)."""
+    """This call's regions of ``batch.scratch``."""
 
-    base: int  # alignment pad at the start of batch.scratch
-    ints: Tensor  # (7, row) int32: seq_q, seq_kv, off_q, off_o, off_k, off_v, off_stats
+    ints: Tensor  # (_ROWS, row) int32
     table: Tensor | None  # (Bb, table_width) int32
-    floats: Tensor  # (8,) float32
-    stats: Tensor | None  # (Bb*Hq*Sq,) float32 dense Stats (stats_mode "scratch")
-    skip: Tensor  # (B,) int64: leading rows of each sequence with no visible key
-    lq_eff: Tensor  # (B,) int64: rows handed to cuDNN
+    floats: Tensor | None  # (8,) float32 (fp8 only)
+    workspace: Tensor  # uint8 cuDNN workspace
 
 
-def _write_metadata(batch: PrefillBatch, plan: _Plan) -> _Views:
-    """Fill this call's lengths, ragged offsets (elements), page table and constants into
-    ``batch.scratch``. Device ops only: no host sync, nothing but torch temporaries allocated."""
-    spec, lay, scratch = plan.spec, plan.layout, batch.scratch
+def _views(batch: PrefillBatch, plan: _Plan) -> _Views:
+    lay, spec, scratch = plan.layout, plan.spec, batch.scratch
     base = (-scratch.data_ptr()) % ALIGN
-    bsz, bb, row, hq = batch.batch_size, spec.batch, lay.row, spec.num_qo_heads
-    meta = batch.meta.to(torch.int64)
-    lq, lkv, q_start, o_start, k_start, v_start, l_start = meta.unbind(0)
-    zeros = torch.zeros_like(lq)
+    i32 = scratch[base : base + lay.workspace].view(torch.int32)
+    ints = i32[: _ROWS * lay.row].view(_ROWS, lay.row)
+    table = floats = None
+    if spec.paged:
+        t0 = lay.table // 4
+        table = i32[t0 : t0 + spec.batch * spec.table_width].view(spec.batch, spec.table_width)
+    if spec.fp8:
+        floats = i32[lay.floats // 4 : lay.floats // 4 + 8].view(torch.float32)
+    ws = scratch[base + lay.workspace : base + lay.workspace + lay.workspace_size]
+    return _Views(ints, table, floats, ws)
+
+
+def _host_rows(batch: PrefillBatch, plan: _Plan) -> tuple[list[list[int]], bool]:
+    """The metadata rows from ``batch.host``: the same values the device path computes (Python
+    integer arithmetic, no torch op per sequence). Returns (rows, any row needs the fix-up)."""
+    spec, h, row, n = plan.spec, batch.host, plan.layout.row, batch.batch_size
+    lq, lkv = h.lens_q, h.lens_kv
     if _DEBUG_NATIVE_EMPTY_ROWS:
-        lq_eff = lq
+        eff = list(lq)
     elif spec.causal:
-        lq_eff = torch.minimum(lq, lkv)
+        eff = list(map(min, lq, lkv))
     else:
-        lq_eff = torch.where(lkv > 0, lq, zeros)
-    skip = lq - lq_eff
-    lkv_eff = torch.where(lq_eff > 0, lkv, zeros)
-    pad = bb + 1 - bsz
-
-    def ext(x: Tensor, fill: int) -> Tensor:
-        return torch.nn.functional.pad(x, (0, pad), value=fill)
-
-    def offsets(start: Tensor, rows: int, stride: int) -> Tensor:
-        end = rows * stride
-        return ext(start.clamp(0, rows) * stride, end)
-
-    fields = [
-        ext(lq_eff, 0),
-        ext(lkv_eff, 0),
-        offsets(q_start + skip, batch.q.shape[0], spec.q_strides[0]),
-        offsets(o_start + skip, batch.out.shape[0], spec.o_strides[0]),
+        eff = [a if b > 0 else 0 for a, b in zip(lq, lkv)]
+    skip = [a - e for a, e in zip(lq, eff)]
+    fix = not _DEBUG_NATIVE_EMPTY_ROWS and any(skip)
+    zero = [0] * n
+    pad = [0] * (row - n)
+    sq0, so0, hq = spec.q_strides[0], spec.o_strides[0], spec.num_qo_heads
+    rows = [
+        eff,
+        [b if e else 0 for b, e in zip(lkv, eff)],
+        [(s + d) * sq0 if e else 0 for s, d, e in zip(h.q_start, skip, eff)],
+        [(s + d) * so0 if e else 0 for s, d, e in zip(h.o_start, skip, eff)],
     ]
     if spec.paged:
-        fields += [ext(zeros, 0), ext(zeros, 0)]
+        rows += [zero, zero]
     else:
-        fields.append(offsets(k_start, batch.k.shape[0], spec.k_strides[0]))
-        fields.append(offsets(v_start, batch.v.shape[0], spec.v_strides[0]))
-    if spec.stats_mode == "ragged":
-        lse_n = batch.lse.numel()
-        fields.append(ext((l_start + skip * hq).clamp(0, lse_n), lse_n))
+        sk0, sv0 = spec.k_strides[0], spec.v_strides[0]
+        rows.append([s * sk0 if e else 0 for s, e in zip(h.k_start, eff)])
+        rows.append([s * sv0 if e else 0 for s, e in zip(h.v_start, eff)])
+    if spec.lse:
+        rows.append([s + d * hq if e else 0 for s, d, e in zip(h.lse_start, skip, eff)])
     else:
-        fields.append(ext(zeros, 0))
-    ints = _region(scratch, base, lay.ints, 7 * row * 4, torch.int32).view(7, row)
-    ints[:, : bb + 1].copy_(torch.stack(fields))
-
-    table = None
+        rows.append(zero)
     if spec.paged:
-        w = spec.table_width
-        table = _region(scratch, base, lay.table, bb * w * 4, torch.int32).view(bb, w)
-        cols = min(w, batch.block_tables.shape[1])
-        if cols < w or bsz < bb:
-            table.zero_()  # padding entries: page 0, never read for keys past kv_len
-        if cols:
-            table[:bsz, :cols].copy_(batch.block_tables[:, :cols].clamp(0, spec.num_pages - 1))
+        ps, s0 = spec.page_size, batch.block_tables.stride(0)
+        rows.append([max(b - 1, 0) // ps if e else 0 for b, e in zip(lkv, eff)])
+        rows.append([b * s0 if e else 0 for b, e in enumerate(eff)])
+    else:
+        rows += [zero, zero]
+    rows = [r + pad for r in rows]
+    if fix:
+        rows_o = batch.out.shape[0]
+        top = rows_o + (batch.lse.numel() // hq if spec.lse else 0)
+        o_lo = [min(s, top) for s in h.o_start]
+        o_hi = [min(s + d, top) for s, d in zip(h.o_start, skip)]
+        if spec.lse:
+            l_lo = [min(rows_o + s // hq, top) for s in h.lse_start]
+            l_hi = [min(rows_o + s // hq + d, top) for s, d in zip(h.lse_start, skip)]
+        else:
+            l_lo = l_hi = [rows_o] * n
+        rows += [o_lo + pad, o_hi + pad, l_lo + [rows_o] * len(pad), l_hi + [rows_o] * len(pad)]
+    else:
+        rows += [[0] * row] * 4
+    return rows, fix
 
-    floats = _region(scratch, base, lay.floats, 8 * 4, torch.float32)
+
+def _write_host_metadata(batch: PrefillBatch, plan: _Plan, views: _Views) -> Tensor | None:
+    """Lengths on the host: one pinned host-to-device copy. Returns the fix-up rows or None."""
+    rows, fix = _host_rows(batch, plan)
+    cuda = views.ints.is_cuda
+    staged = torch.tensor(rows, dtype=torch.int32, pin_memory=cuda)
+    views.ints.copy_(staged, non_blocking=cuda)
+    return views.ints[_R_FIX:] if fix else None
+
+
+def _write_device_metadata(batch: PrefillBatch, plan: _Plan, views: _Views) -> Tensor:
+    """Lengths on the device (CUDA-graph mode): the rows from ``batch.meta`` by fixed device ops
+    (no host sync; nothing here depends on the lengths' values). Returns the fix-up rows (4, row)."""
+    spec, k, row = plan.spec, _consts(plan, batch.device), plan.layout.row
+    meta = torch.nn.functional.pad(batch.meta, (0, row - batch.batch_size))  # (7, row) int32
+    lq, lkv = meta[0], meta[1]
+    eff = torch.minimum(lq, lkv) if spec.causal else torch.where(lkv > 0, lq, 0)
+    z = torch.cat((meta, eff[None], k.ones))  # (9, row) int64
+    y = (k.coef * z).sum(1)  # (_ROWS, row) int64
+    if spec.paged:
+        y[_R_LAST].div_(spec.page_size, rounding_mode="floor")
+        torch.mul(k.arange, batch.block_tables.stride(0), out=y[_R_BASE])
+    torch.mul(y[:_R_FIX], eff > 0, out=views.ints[:_R_FIX])  # sequences cuDNN skips: all 0
+    fx = y[_R_FIX:]
+    hq, rows_o = spec.num_qo_heads, batch.out.shape[0]
+    if spec.lse:
+        fx[2:].div_(hq, rounding_mode="floor")
+    fx[2:].add_(rows_o)
+    fx.clamp_(0, rows_o + (batch.lse.numel() // hq if spec.lse else 0))
+    return fx
+
+
+def _write_table(batch: PrefillBatch, plan: _Plan, views: _Views) -> None:
+    """Our page table: entry (b, j) = block_tables[b, min(j, last page of b)], clamped; rows of padded
+    or skipped sequences read entry 0. One gather + one clamp."""
+    bt, table = batch.block_tables, views.table
+    width = bt.shape[1]
+    if width == 0:  # then every kv_len is 0: any valid page id will do
+        table.zero_()
+        return
+    flat = bt.as_strided(((batch.batch_size - 1) * bt.stride(0) + width,), (1,))
+    bb, ints = plan.spec.batch, views.ints
+    idx = torch.minimum(_consts(plan, batch.device).cols, ints[_R_LAST, :bb, None])
+    idx += ints[_R_BASE, :bb, None]
+    torch.index_select(flat, 0, idx.view(-1), out=table.view(-1))
+    table.clamp_(0, plan.spec.num_pages - 1)
+
+
+def _fill_empty_rows(batch: PrefillBatch, plan: _Plan, fx: Tensor) -> None:
+    """out = 0 and lse = -inf on the rows no key is visible to. ``fx`` (4, n) holds, per sequence,
+    [lo, hi) row ranges in one index space: out rows, then lse rows shifted by out's row count.
+    A difference array marks them: +1 at each lo, -1 at each hi, prefix sum > 0 inside a range."""
+    rows_o, lse, hq = batch.out.shape[0], batch.lse, plan.spec.num_qo_heads
+    n_l = lse.numel() // hq if lse is not None else 0
+    marks = torch.zeros(rows_o + n_l + 1, dtype=torch.int32, device=batch.device)
+    marks.index_put_((fx,), _consts(plan, batch.device).signs, accumulate=True)
+    inside = marks.cumsum(0) > 0
+    batch.out.masked_fill_(inside[:rows_o, None, None], 0)
+    if lse is not None:
+        lse[: n_l * hq].view(n_l, hq).masked_fill_(inside[rows_o : rows_o + n_l, None], -math.inf)
+
+
+def _operands(plan: _Plan, batch: PrefillBatch, views: _Views) -> dict[str, Any]:
+    rows = views.ints.unbind(0)
+    ops: dict[str, Any] = {
+        "q": batch.q,
+        "k": batch.k,
+        "v": batch.v,
+        "o": batch.out,
+        "seq_q": rows[_R_SEQ_Q],
+        "seq_kv": rows[_R_SEQ_KV],
+        "off_q": rows[_R_OFF_Q],
+        "off_o": rows[_R_OFF_O],
+    }
+    spec = plan.spec
+    if spec.paged:
+        ops["table_k"] = ops["table_v"] = views.table
+    else:
+        ops["off_k"], ops["off_v"] = rows[_R_OFF_K], rows[_R_OFF_V]
+    if spec.lse:
+        ops["stats"], ops["off_stats"] = batch.lse, rows[_R_OFF_S]
     if spec.fp8:
-        s_scale = 256.0  # P in [0, 1] is stored as fp8 P * 256 for the P.V product
-        floats[0:1].fill_(1.0 / s_scale)  # descale_s (fill_ with a Python scalar: capture-safe)
-        floats[1:2].fill_(s_scale)  # scale_s
-        floats[2:3].fill_(1.0)  # scale_o
-    stats = None
-    if spec.stats_mode == "scratch":
-        stats = _region(scratch, base, lay.stats, bb * hq * spec.max_q * 4, torch.float32)
-    return _Views(base, ints, table, floats, stats, skip, lq_eff)
+        ops.update(descale_q=batch.q_scale, descale_k=batch.k_scale, descale_v=batch.v_scale)
+        f = views.floats.unbind(0)
+        ops.update(descale_s=f[0], scale_s=f[1], scale_o=f[2], amax_s=f[3], amax_o=f[4])
+    return ops
 
 
 def _execute_cudnn(plan: _Plan, batch: PrefillBatch, views: _Views) -> None:
-    """Bind every operand by address and run the built cuDNN plan on torch's current stream."""
-    spec, lay, tn = plan.spec, plan.layout, plan.tensors
-    origin = batch.scratch.data_ptr() + views.base
-    row4 = lay.row * 4
-    pack: dict[Any, int] = {}
-
-    def bind(name: str, ptr: int) -> None:
-        pack[tn[name]] = ptr
-
-    bind("q", batch.q.data_ptr())
-    bind("k", batch.k.data_ptr())
-    bind("v", batch.v.data_ptr())
-    bind("o", batch.out.data_ptr())
-    bind("seq_q", origin + lay.ints)
-    bind("seq_kv", origin + lay.ints + row4)
-    bind("off_q", origin + lay.ints + 2 * row4)
-    bind("off_o", origin + lay.ints + 3 * row4)
-    if spec.paged:
-        bind("table_k", origin + lay.table)
-        bind("table_v", origin + lay.table)
-    else:
-        bind("off_k", origin + lay.ints + 4 * row4)
-        bind("off_v", origin + lay.ints + 5 * row4)
-    if spec.stats_mode == "ragged":
-        bind("stats", batch.lse.data_ptr())
-        bind("off_stats", origin + lay.ints + 6 * row4)
-    elif spec.stats_mode == "scratch":
-        bind("stats", origin + lay.stats)
-    if spec.fp8:
-        for name, src in (
-            ("descale_q", batch.q_scale),
-            ("descale_k", batch.k_scale),
-            ("descale_v", batch.v_scale),
-        ):
-            bind(name, src.data_ptr())
-        for i, name in enumerate(("descale_s", "scale_s", "scale_o", "amax_s", "amax_o")):
-            bind(name, origin + lay.floats + 4 * i)
-    cudnn = _cudnn()
-    dev = batch.device
-    handle = _handle(_device_index(dev))
-    cudnn.set_stream(handle, torch.cuda.current_stream(dev).cuda_stream)
-    plan.graph.execute(pack, workspace=origin + lay.workspace, handle=handle)
+    """Bind every operand and run the built cuDNN plan on torch's current stream."""
+    if plan.spec.fp8:
+        views.floats[:3].copy_(_consts(plan, batch.device).fp8)
+    ops = _operands(plan, batch, views)
+    dev = _device_index(batch.device)
+    handle = _handle(dev)
+    _cudnn().set_stream(handle, _current_stream(dev))
+    if plan.binding == "tensors":
+        try:
+            plan.graph.execute({t: ops[n] for n, t in plan.tensors.items()}, views.workspace, handle=handle)
+            return
+        except (TypeError, ValueError) as exc:  # the frontend could not read a torch tensor
+            if plan.binding_error is not None:
+                raise
+            plan.binding, plan.binding_error = "addresses", f"{type(exc).__name__}: {exc}"
+    pack = {t: ops[n].data_ptr() for n, t in plan.tensors.items()}
+    plan.graph.execute(pack, views.workspace.data_ptr(), handle=handle)
 
 
 _EXECUTE = _execute_cudnn  # replaced by a pure-torch emulation in the CPU tests
@@ -785,72 +1048,13 @@ def run(batch: PrefillBatch) -> None:
             f"workspace_buffer: expected {plan.layout.total} bytes of cuDNN scratch, "
             f"got {batch.scratch.numel()}"
         )
-    views = _write_metadata(batch, plan)
+    views = _views(batch, plan)
+    if batch.host is not None:
+        fx = _write_host_metadata(batch, plan, views)
+    else:
+        fx = _write_device_metadata(batch, plan, views)
+    if plan.spec.paged:
+        _write_table(batch, plan, views)
     _EXECUTE(plan, batch, views)
-    if plan.spec.stats_mode == "scratch":
-        _copy_scratch_stats(batch, plan.spec, views)
-    if not _DEBUG_NATIVE_EMPTY_ROWS:
-        _fill_empty_rows(batch, plan.spec, views.skip)
-
-
-def _lse_rows(batch: PrefillBatch) -> Tensor | None:
-    """The flat lse buffer as (rows, Hq); every covered entry lies in it (lse_start % Hq == 0)."""
-    if batch.lse is None:
-        return None
-    hq = batch.num_qo_heads
-    n = batch.lse.numel() // hq
-    return batch.lse[: n * hq].view(n, hq)
-
-
-def _row_mask(n_rows: int, starts: Tensor, counts: Tensor, grid: int) -> Tensor:
-    """Bool (n_rows,): True on rows ``starts[b] + i`` for ``0 <= i < counts[b]`` (device ops only)."""
-    i = torch.arange(grid, device=starts.device)
-    rows = starts[:, None] + i[None, :]
-    ok = (i[None, :] < counts[:, None]) & (rows >= 0) & (rows < n_rows)
-    idx = torch.where(ok, rows, torch.full_like(rows, n_rows)).reshape(-1)
-    mask = torch.zeros(n_rows + 1, dtype=torch.uint8, device=starts.device)
-    mask.index_fill_(0, idx, 1)
-    return mask[:n_rows].bool()
-
-
-def _fill_empty_rows(batch: PrefillBatch, spec: GraphSpec, skip: Tensor) -> None:
-    """out = 0 and lse = -inf on the rows no key is visible to (the first ``skip[b]`` rows)."""
-    lse_rows = _lse_rows(batch)
-    hq = batch.num_qo_heads
-    h = batch.host
-    if h is not None:  # lengths known on the host: touch only the rows that need it
-        for b in range(batch.batch_size):
-            lq, lkv = h.lens_q[b], h.lens_kv[b]
-            n = lq if lkv == 0 else (max(0, lq - lkv) if spec.causal else 0)
-            if n <= 0:
-                continue
-            batch.out[h.o_start[b] : h.o_start[b] + n].zero_()
-            if lse_rows is not None:
-                r0 = h.lse_start[b] // hq
-                lse_rows[r0 : r0 + n].fill_(-math.inf)
-        return
-    o_start = batch.meta_row("o_start").to(torch.int64)
-    mask = _row_mask(batch.out.shape[0], o_start, skip, spec.max_q)
-    batch.out.masked_fill_(mask[:, None, None], 0)
-    if lse_rows is not None:
-        l_row = torch.div(batch.meta_row("lse_start").to(torch.int64), hq, rounding_mode="floor")
-        lse_rows.masked_fill_(_row_mask(lse_rows.shape[0], l_row, skip, spec.max_q)[:, None], -math.inf)
-
-
-def _copy_scratch_stats(batch: PrefillBatch, spec: GraphSpec, views: _Views) -> None:
-    """stats_mode "scratch": copy cuDNN's dense Stats (Bb, Hq, Sq) into lse, covered rows only."""
-    lse_rows = _lse_rows(batch)
-    hq, sq, bsz = spec.num_qo_heads, spec.max_q, batch.batch_size
-    src = views.stats.view(spec.batch, hq, sq).transpose(1, 2).reshape(spec.batch * sq, hq)
-    dev = src.device
-    i = torch.arange(sq, device=dev)
-    l_row = torch.div(batch.meta_row("lse_start").to(torch.int64), hq, rounding_mode="floor")
-    dst = l_row[:, None] + views.skip[:, None] + i[None, :]  # (B, Sq) destination lse rows
-    n = lse_rows.shape[0]
-    ok = (i[None, :] < views.lq_eff[:, None]) & (dst >= 0) & (dst < n)
-    src_row = (torch.arange(bsz, device=dev) * sq)[:, None] + i[None, :]
-    owner = torch.full((n + 1,), -1, dtype=torch.int64, device=dev)
-    owner.scatter_(0, torch.where(ok, dst, torch.full_like(dst, n)).reshape(-1), src_row.reshape(-1))
-    owner = owner[:n]
-    gathered = src.index_select(0, owner.clamp(min=0))
-    lse_rows.copy_(torch.where((owner >= 0)[:, None], gathered, lse_rows))
+    if fx is not None:
+        _fill_empty_rows(batch, plan, fx)

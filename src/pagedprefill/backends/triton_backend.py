@@ -76,6 +76,7 @@ class Config:
     BLOCK_N: int  # keys per iteration
     num_warps: int
     num_stages: int
+    warp_spec: int = 0  # 1: Triton's automatic warp specialisation of the unmasked KV loop (sm90+)
 
 
 @dataclass(frozen=True)
@@ -86,11 +87,23 @@ class SplitPolicy:
     min_programs: int = 264  # split when the unsplit grid has fewer programs (~2 waves on 132 SMs)
     max_splits: int = 16
     min_keys_per_split: int = 512
-    max_rows: int = 4096  # only when B * max_q * Hq rows is small (bounded scratch)
+    max_scratch_bytes: int = 32 << 20  # cap on the float32 partials (also capped by the workspace)
 
 
 SPLIT_POLICY = SplitPolicy()
 _OVERRIDE: dict = {}
+_KNOBS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_splits", "warp_spec")
+
+
+def _check_knobs(knobs: dict, where: str) -> dict:
+    for key, val in knobs.items():
+        if key not in _KNOBS:
+            raise ValueError(f"{where}: unknown Triton knob {key!r}; expected one of {_KNOBS}")
+        if key in ("BLOCK_M", "BLOCK_N") and (val < 16 or val & (val - 1)):
+            raise ValueError(f"{where}: {key} must be a power of two >= 16, got {val}")
+        if key in ("num_warps", "num_stages", "num_splits") and val < 1:
+            raise ValueError(f"{where}: {key} must be >= 1, got {val}")
+    return knobs
 
 
 def _env_override() -> dict:
@@ -101,7 +114,7 @@ def _env_override() -> dict:
         for item in raw.split(","):
             key, _, val = item.partition("=")
             out[key.strip()] = int(val)
-    return out
+    return _check_knobs(out, "PAGEDPREFILL_TRITON_CONFIG")
 
 
 @contextlib.contextmanager
@@ -109,7 +122,7 @@ def config_override(**knobs: int):
     """Force launch knobs (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``, ``num_splits``)
     for the calls inside the block; for tests and tuning."""
     saved = dict(_OVERRIDE)
-    _OVERRIDE.update(knobs)
+    _OVERRIDE.update(_check_knobs(knobs, "config_override"))
     try:
         yield
     finally:
@@ -397,7 +410,9 @@ if triton is not None:
             "bt_stride",
             "max_q",
             "num_splits",
-        ]
+        ],
+        # a caller's table / lse may be a slice at any 4-byte offset: no alignment variants
+        do_not_specialize_on_alignment=["BT", "LSE"],
     )
     def _prefill_kernel(
         Q,
@@ -452,6 +467,7 @@ if triton is not None:
         HAS_V_SCALE: tl.constexpr,
         MAYBE_NEG_SCALE: tl.constexpr,
         SPLIT: tl.constexpr,
+        WARP_SPEC: tl.constexpr,
     ):
         kv_head = tl.program_id(0)
         b = tl.program_id(1) + b_offset
@@ -532,7 +548,7 @@ if triton is not None:
             else:
                 acc1 = tl.zeros([1, 1], tl.float32)  # unused
 
-            for start_n in range(lo, full, BLOCK_N):
+            for start_n in tl.range(lo, full, BLOCK_N, warp_specialize=WARP_SPEC):
                 acc0, acc1, l_i, m_i = _attend_tile(
                     acc0,
                     acc1,
@@ -650,7 +666,10 @@ if triton is not None:
                     lse_off = lse_start.to(tl.int64) + tok.to(tl.int64) * num_heads_q + head
                     tl.store(LSE + lse_off, lse2 * 0.6931471805599453, mask=row_ok)
 
-    @triton.jit(do_not_specialize=["meta_stride", "b_offset", "max_q", "num_splits"])
+    @triton.jit(
+        do_not_specialize=["meta_stride", "b_offset", "max_q", "num_splits"],
+        do_not_specialize_on_alignment=["LSE"],
+    )
     def _merge_kernel(
         Out,
         LSE,
@@ -748,7 +767,7 @@ def choose_config(batch: PrefillBatch) -> Config:
         _capability(batch),
     )
     over = {**_env_override(), **_OVERRIDE}
-    known = {k: over[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages") if k in over}
+    known = {k: over[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "warp_spec") if k in over}
     return replace(cfg, **known) if known else cfg
 
 
@@ -777,15 +796,13 @@ def choose_splits(batch: PrefillBatch, cfg: Config) -> int:
     pol = SPLIT_POLICY
     if not pol.enabled or batch.batch_size == 0 or batch.max_q == 0:
         return 1
-    if batch.batch_size * batch.max_q * batch.num_qo_heads > pol.max_rows:
-        return 1
     programs = batch.num_kv_heads * batch.batch_size * _num_m_blocks(batch, cfg)
     if programs >= pol.min_programs:
         return 1
     by_len = batch.max_kv // pol.min_keys_per_split
     by_grid = -(-pol.min_programs // programs)
     splits = min(pol.max_splits, by_len, by_grid)
-    avail = _available_scratch(batch)
+    avail = min(_available_scratch(batch), pol.max_scratch_bytes)
     while splits >= 2 and _partials_bytes(batch, splits) > avail:
         splits -= 1
     return splits if splits >= 2 else 1
@@ -905,6 +922,7 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None, num_splits: int 
                 HAS_V_SCALE=batch.v_scale is not None and splits == 1,
                 MAYBE_NEG_SCALE=scale_neg_possible,
                 SPLIT=splits > 1,
+                WARP_SPEC=bool(cfg.warp_spec),
                 num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages,
             )
