@@ -63,7 +63,7 @@ def main() -> int:
     rows = []
     for name in args.workloads.split(","):
         w = get_workload(name)
-        kw = build_case(w, "cuda")
+        kw = build_case(w, "cuda", lens_on_device=args.graph)
         gflop = flops(w) / 1e9
         ref = None
         if not args.no_cudnn:
@@ -84,8 +84,10 @@ def main() -> int:
                         err = ((out - ref).norm() / ref.norm()).item()
                     ms = timed(lambda kw=kw: prefill(**kw, backend="triton"), args.graph)
                 rows.append((name, label, ms, gflop / ms, err))
-                print(f"{name:24s} triton {label:10s} {ms:8.3f} ms {gflop / ms:7.1f} TF/s err {err:.1e}",
-                      flush=True)
+                print(
+                    f"{name:24s} triton {label:10s} {ms:8.3f} ms {gflop / ms:7.1f} TF/s err {err:.1e}",
+                    flush=True,
+                )
             except Exception as e:  # noqa: BLE001
                 print(f"{name:24s} triton {label:10s} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
     print(f"\nSUMMARY (graph={args.graph})")

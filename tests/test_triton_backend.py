@@ -874,3 +874,25 @@ def test_gpu_no_host_sync_in_run():
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     check(case, batch.extras["out_user_view"], batch.extras["lse_user_view"], atol=2e-2)
+
+
+@pytest.mark.parametrize("lazy", [0, 1])
+@pytest.mark.parametrize("scale", [0.02, 50.0])
+def test_lazy_rescale_with_growing_maxima(lazy, scale):
+    """Large logits make the running row max jump across KV tiles: the lazy-rescale path must
+    rescale exactly when needed (a stale max > 2^8 below the true one would overflow or lose mass)."""
+    case = make_case(
+        900 + lazy,
+        lens_q=[37, 5],
+        lens_kv=[90, 70],
+        hq=4,
+        hkv=2,
+        dqk=64,
+        page_size=16,
+        dtype=torch.float16 if HAS_CUDA else torch.float32,
+        device=DEVICE,
+        scale=scale,
+    )
+    with tb.config_override(lazy=lazy):
+        out, lse = pagedprefill.cudnn_batch_prefill_with_kv_cache(**case.kwargs, backend="triton")
+    check(case, out, lse, atol=2e-2 if HAS_CUDA else 1e-4, lse_atol=2e-2)

@@ -553,6 +553,13 @@ def _normalise(
     if graph_mode and dev.type == "cuda":
         batch.host = None
     else:
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise _fail(
+                "is_cuda_graph_compatible",
+                "True (with lengths, offsets and tables on the device) when the call is captured in a "
+                "CUDA graph; host lengths would be baked into the graph",
+                False,
+            )
         batch.host = _host_metadata(batch)
     return batch
 

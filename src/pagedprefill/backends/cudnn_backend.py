@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -106,7 +107,7 @@ _HALF = (torch.float16, torch.bfloat16)
 _R_SEQ_Q, _R_SEQ_KV, _R_OFF_Q, _R_OFF_O, _R_OFF_K, _R_OFF_V, _R_OFF_S = range(7)
 _R_LAST = 7  # paged: index of the sequence's last page in its block-table row
 _R_BASE = 8  # paged: flat element offset of the sequence's block-table row (b * row stride)
-_R_FIX = 9  # 4 rows: [out lo, out hi) rows, then [lse lo, lse hi) rows shifted by out's row count
+_R_FIX = 9  # 4 rows: [lo, hi) of the rows to fix in out, then in lse (viewed as (rows, Hq))
 _ROWS = 13
 # Columns of the (9, row) integer matrix the device path maps linearly onto the rows above.
 _Z_LQ, _Z_LKV, _Z_QS, _Z_OS, _Z_KS, _Z_VS, _Z_LS, _Z_EFF, _Z_ONE = range(9)
@@ -509,6 +510,7 @@ class _Consts:
     arange: Tensor  # (row,) int64: batch index
     cols: Tensor  # (1, table_width) int64: page-table column index
     signs: Tensor  # (4, 1) int32: +1 / -1 for the range ends of the fix-up
+    which: Tensor  # (4, 1) int64: 0 for the out ranges, 1 for the lse ranges
     fp8: Tensor  # (3,) float32: descale_s, scale_s, scale_o
 
 
@@ -524,6 +526,7 @@ class _Plan:
     consts: _Consts | None = field(default=None, repr=False)
     binding: str = "tensors"  # how operands reach graph.execute: "tensors" | "addresses"
     binding_error: str | None = None  # why "tensors" was given up, if it was
+    packer: struct.Struct | None = field(default=None, repr=False)  # the host path's int32 packer
 
 
 def _cudnn_dtype(cudnn: Any, name: str) -> Any:
@@ -668,7 +671,7 @@ def _coefficients(spec: GraphSpec) -> list[list[int]]:
         shifted(_R_OFF_S, _Z_LS, 1, hq)
     shifted(_R_FIX, _Z_OS, 1, 0)
     shifted(_R_FIX + 1, _Z_OS, 1, 1)
-    if spec.lse:  # in lse elements here; the device path divides by Hq and shifts by out's rows
+    if spec.lse:  # in lse elements here; the device path divides by Hq
         shifted(_R_FIX + 2, _Z_LS, 1, 0)
         shifted(_R_FIX + 3, _Z_LS, 1, hq)
     return c
@@ -683,6 +686,7 @@ def _make_consts(spec: GraphSpec, layout: ScratchLayout, device: torch.device) -
         arange=torch.arange(row, dtype=torch.int64),
         cols=torch.arange(max(spec.table_width, 1), dtype=torch.int64).unsqueeze(0),
         signs=torch.tensor([[1], [-1], [1], [-1]], dtype=torch.int32),
+        which=torch.tensor([[0], [0], [1], [1]], dtype=torch.int64),
         fp8=torch.tensor([1.0 / 256.0, 256.0, 1.0], dtype=torch.float32),
     )
     return _Consts(*(getattr(cpu, f).to(device) for f in cpu.__dataclass_fields__))
@@ -871,9 +875,10 @@ def _views(batch: PrefillBatch, plan: _Plan) -> _Views:
     return _Views(ints, table, floats, ws)
 
 
-def _host_rows(batch: PrefillBatch, plan: _Plan) -> tuple[list[list[int]], bool]:
-    """The metadata rows from ``batch.host``: the same values the device path computes (Python
-    integer arithmetic, no torch op per sequence). Returns (rows, any row needs the fix-up)."""
+def _host_rows(batch: PrefillBatch, plan: _Plan) -> tuple[list[int], bool]:
+    """The metadata block (``_ROWS`` rows of ``layout.row``, flattened) from ``batch.host``: the same
+    values the device path computes, by Python integer arithmetic (no torch op per sequence).
+    Returns (values, whether some rows need the empty-row fix-up)."""
     spec, h, row, n = plan.spec, batch.host, plan.layout.row, batch.batch_size
     lq, lkv = h.lens_q, h.lens_kv
     if _DEBUG_NATIVE_EMPTY_ROWS:
@@ -884,54 +889,52 @@ def _host_rows(batch: PrefillBatch, plan: _Plan) -> tuple[list[list[int]], bool]
         eff = [a if b > 0 else 0 for a, b in zip(lq, lkv)]
     skip = [a - e for a, e in zip(lq, eff)]
     fix = not _DEBUG_NATIVE_EMPTY_ROWS and any(skip)
-    zero = [0] * n
     pad = [0] * (row - n)
+    zero = [0] * row
     sq0, so0, hq = spec.q_strides[0], spec.o_strides[0], spec.num_qo_heads
-    rows = [
-        eff,
-        [b if e else 0 for b, e in zip(lkv, eff)],
-        [(s + d) * sq0 if e else 0 for s, d, e in zip(h.q_start, skip, eff)],
-        [(s + d) * so0 if e else 0 for s, d, e in zip(h.o_start, skip, eff)],
-    ]
+    v = eff + pad
+    v += [b if e else 0 for b, e in zip(lkv, eff)] + pad
+    v += [(s + d) * sq0 if e else 0 for s, d, e in zip(h.q_start, skip, eff)] + pad
+    v += [(s + d) * so0 if e else 0 for s, d, e in zip(h.o_start, skip, eff)] + pad
     if spec.paged:
-        rows += [zero, zero]
+        v += zero + zero
     else:
-        sk0, sv0 = spec.k_strides[0], spec.v_strides[0]
-        rows.append([s * sk0 if e else 0 for s, e in zip(h.k_start, eff)])
-        rows.append([s * sv0 if e else 0 for s, e in zip(h.v_start, eff)])
+        v += [s * spec.k_strides[0] if e else 0 for s, e in zip(h.k_start, eff)] + pad
+        v += [s * spec.v_strides[0] if e else 0 for s, e in zip(h.v_start, eff)] + pad
     if spec.lse:
-        rows.append([s + d * hq if e else 0 for s, d, e in zip(h.lse_start, skip, eff)])
+        v += [s + d * hq if e else 0 for s, d, e in zip(h.lse_start, skip, eff)] + pad
     else:
-        rows.append(zero)
+        v += zero
     if spec.paged:
         ps, s0 = spec.page_size, batch.block_tables.stride(0)
-        rows.append([max(b - 1, 0) // ps if e else 0 for b, e in zip(lkv, eff)])
-        rows.append([b * s0 if e else 0 for b, e in enumerate(eff)])
+        v += [max(b - 1, 0) // ps if e else 0 for b, e in zip(lkv, eff)] + pad
+        v += [b * s0 if e else 0 for b, e in enumerate(eff)] + pad
     else:
-        rows += [zero, zero]
-    rows = [r + pad for r in rows]
-    if fix:
-        rows_o = batch.out.shape[0]
-        top = rows_o + (batch.lse.numel() // hq if spec.lse else 0)
-        o_lo = [min(s, top) for s in h.o_start]
-        o_hi = [min(s + d, top) for s, d in zip(h.o_start, skip)]
-        if spec.lse:
-            l_lo = [min(rows_o + s // hq, top) for s in h.lse_start]
-            l_hi = [min(rows_o + s // hq + d, top) for s, d in zip(h.lse_start, skip)]
-        else:
-            l_lo = l_hi = [rows_o] * n
-        rows += [o_lo + pad, o_hi + pad, l_lo + [rows_o] * len(pad), l_hi + [rows_o] * len(pad)]
+        v += zero + zero
+    if not fix:
+        return v + zero * 4, False
+    top = _fix_extent(batch)
+    v += [min(s, top) for s in h.o_start] + pad
+    v += [min(s + d, top) for s, d in zip(h.o_start, skip)] + pad
+    if spec.lse:
+        v += [min(s // hq, top) for s in h.lse_start] + pad
+        v += [min(s // hq + d, top) for s, d in zip(h.lse_start, skip)] + pad
     else:
-        rows += [[0] * row] * 4
-    return rows, fix
+        v += zero + zero
+    return v, True
 
 
 def _write_host_metadata(batch: PrefillBatch, plan: _Plan, views: _Views) -> Tensor | None:
-    """Lengths on the host: one pinned host-to-device copy. Returns the fix-up rows or None."""
-    rows, fix = _host_rows(batch, plan)
+    """Lengths on the host: one (pinned) host-to-device copy. Returns the fix-up rows or None."""
+    values, fix = _host_rows(batch, plan)
+    packer = plan.packer
+    if packer is None:
+        packer = plan.packer = struct.Struct(f"={len(values)}i")
+    staged = torch.frombuffer(bytearray(packer.pack(*values)), dtype=torch.int32)
     cuda = views.ints.is_cuda
-    staged = torch.tensor(rows, dtype=torch.int32, pin_memory=cuda)
-    views.ints.copy_(staged, non_blocking=cuda)
+    if cuda:
+        staged = staged.pin_memory()
+    views.ints.view(-1).copy_(staged, non_blocking=cuda)
     return views.ints[_R_FIX:] if fix else None
 
 
@@ -949,12 +952,9 @@ def _write_device_metadata(batch: PrefillBatch, plan: _Plan, views: _Views) -> T
         torch.mul(k.arange, batch.block_tables.stride(0), out=y[_R_BASE])
     torch.mul(y[:_R_FIX], eff > 0, out=views.ints[:_R_FIX])  # sequences cuDNN skips: all 0
     fx = y[_R_FIX:]
-    hq, rows_o = spec.num_qo_heads, batch.out.shape[0]
     if spec.lse:
-        fx[2:].div_(hq, rounding_mode="floor")
-    fx[2:].add_(rows_o)
-    fx.clamp_(0, rows_o + (batch.lse.numel() // hq if spec.lse else 0))
-    return fx
+        fx[2:].div_(spec.num_qo_heads, rounding_mode="floor")
+    return fx.clamp_(0, _fix_extent(batch))
 
 
 def _write_table(batch: PrefillBatch, plan: _Plan, views: _Views) -> None:
@@ -973,22 +973,29 @@ def _write_table(batch: PrefillBatch, plan: _Plan, views: _Views) -> None:
     table.clamp_(0, plan.spec.num_pages - 1)
 
 
+def _fix_extent(batch: PrefillBatch) -> int:
+    """Row count of the fix-up's marks: ranges are clamped into [0, this]."""
+    n_l = batch.lse.numel() // batch.num_qo_heads if batch.lse is not None else 0
+    return max(batch.out.shape[0], n_l)
+
+
 def _fill_empty_rows(batch: PrefillBatch, plan: _Plan, fx: Tensor) -> None:
     """out = 0 and lse = -inf on the rows no key is visible to. ``fx`` (4, n) holds, per sequence,
-    [lo, hi) row ranges in one index space: out rows, then lse rows shifted by out's row count.
-    A difference array marks them: +1 at each lo, -1 at each hi, prefix sum > 0 inside a range."""
-    rows_o, lse, hq = batch.out.shape[0], batch.lse, plan.spec.num_qo_heads
-    n_l = lse.numel() // hq if lse is not None else 0
-    marks = torch.zeros(rows_o + n_l + 1, dtype=torch.int32, device=batch.device)
-    marks.index_put_((fx,), _consts(plan, batch.device).signs, accumulate=True)
-    inside = marks.cumsum(0) > 0
-    batch.out.masked_fill_(inside[:rows_o, None, None], 0)
+    the [lo, hi) row range to fix in out (rows 0-1) and in lse viewed as (rows, Hq) (rows 2-3).
+    Difference arrays mark them: +1 at each lo, -1 at each hi, prefix sum > 0 inside a range."""
+    rows_o, lse, hq = batch.out.shape[0], batch.lse, batch.num_qo_heads
+    k = _consts(plan, batch.device)
+    marks = torch.zeros((2, _fix_extent(batch) + 1), dtype=torch.int32, device=batch.device)
+    marks.index_put_((k.which, fx), k.signs, accumulate=True)
+    inside = marks.cumsum(1) > 0
+    batch.out.masked_fill_(inside[0, :rows_o, None, None], 0)
     if lse is not None:
-        lse[: n_l * hq].view(n_l, hq).masked_fill_(inside[rows_o : rows_o + n_l, None], -math.inf)
+        n_l = lse.numel() // hq
+        lse[: n_l * hq].view(n_l, hq).masked_fill_(inside[1, :n_l, None], -math.inf)
 
 
 def _operands(plan: _Plan, batch: PrefillBatch, views: _Views) -> dict[str, Any]:
-    rows = views.ints.unbind(0)
+    rows = views.ints
     ops: dict[str, Any] = {
         "q": batch.q,
         "k": batch.k,
@@ -1008,7 +1015,7 @@ def _operands(plan: _Plan, batch: PrefillBatch, views: _Views) -> dict[str, Any]
         ops["stats"], ops["off_stats"] = batch.lse, rows[_R_OFF_S]
     if spec.fp8:
         ops.update(descale_q=batch.q_scale, descale_k=batch.k_scale, descale_v=batch.v_scale)
-        f = views.floats.unbind(0)
+        f = views.floats
         ops.update(descale_s=f[0], scale_s=f[1], scale_o=f[2], amax_s=f[3], amax_o=f[4])
     return ops
 

@@ -77,6 +77,7 @@ class Config:
     num_warps: int
     num_stages: int
     warp_spec: int = 0  # 1: Triton's automatic warp specialisation of the unmasked KV loop (sm90+)
+    lazy: int = 0  # 1: rescale the accumulators only when a row max grows by > 2^8 (unmasked loop)
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ class SplitPolicy:
 
 SPLIT_POLICY = SplitPolicy()
 _OVERRIDE: dict = {}
-_KNOBS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_splits", "warp_spec")
+_KNOBS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_splits", "warp_spec", "lazy")
 
 
 def _check_knobs(knobs: dict, where: str) -> dict:
@@ -315,6 +316,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr,
         MASKED: tl.constexpr,
+        LAZY: tl.constexpr,
     ):
         """One online-softmax step over keys [start_n, start_n + BLOCK_N)."""
         cols = start_n + tl.arange(0, BLOCK_N)
@@ -370,13 +372,33 @@ if triton is not None:
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet
             p = tl.math.exp2(s - m_use[:, None])
+        elif LAZY:
+            # Rescale the accumulators only when some row's running max grew by more than 8 (log2
+            # units): with a stale max, p <= 2^8, harmless in fp32 and in the 16-bit P operand.
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            if tl.max(m_new - m_i, 0) > 8.0:
+                alpha = tl.math.exp2(m_i - m_new)
+                acc0 = acc0 * alpha[:, None]
+                if DV1 > 0:
+                    acc1 = acc1 * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_new
+            m_new = m_i
+            m_use = m_i
+            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
         else:
             # every key visible to every row: qk_scale >= 0, so max(qk) * scale = max(qk * scale)
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             m_use = m_new
             p = tl.math.exp2(qk * qk_scale - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        if LAZY and not MASKED:
+            l_i = l_i + tl.sum(p, 1)  # accumulators already rescaled above when needed
+        else:
+            alpha = tl.math.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc0 = acc0 * alpha[:, None]
+            if DV1 > 0:
+                acc1 = acc1 * alpha[:, None]
         p = p.to(CDT)
 
         dv0 = tl.arange(0, DV0)
@@ -384,7 +406,7 @@ if triton is not None:
             v0 = tl.load(V + v_off[:, None] + dv0[None, :], mask=kv_mask[:, None], other=0.0)
         else:
             v0 = tl.load(V + v_off[:, None] + dv0[None, :])
-        acc0 = tl.dot(p, v0.to(CDT), acc=acc0 * alpha[:, None], input_precision=PREC)
+        acc0 = tl.dot(p, v0.to(CDT), acc=acc0, input_precision=PREC)
         if DV1 > 0:
             dv1 = DV0 + tl.arange(0, DV1)
             if DV1_REAL < DV1:
@@ -397,7 +419,7 @@ if triton is not None:
                 v1 = tl.load(V + v_off[:, None] + dv1[None, :], mask=kv_mask[:, None], other=0.0)
             else:
                 v1 = tl.load(V + v_off[:, None] + dv1[None, :])
-            acc1 = tl.dot(p, v1.to(CDT), acc=acc1 * alpha[:, None], input_precision=PREC)
+            acc1 = tl.dot(p, v1.to(CDT), acc=acc1, input_precision=PREC)
         return acc0, acc1, l_i, m_new
 
     @triton.jit(
@@ -468,6 +490,7 @@ if triton is not None:
         MAYBE_NEG_SCALE: tl.constexpr,
         SPLIT: tl.constexpr,
         WARP_SPEC: tl.constexpr,
+        LAZY_RESCALE: tl.constexpr,
     ):
         kv_head = tl.program_id(0)
         b = tl.program_id(1) + b_offset
@@ -586,6 +609,7 @@ if triton is not None:
                     BLOCK_N,
                     CAUSAL,
                     False,
+                    LAZY_RESCALE,
                 )
             for start_n in range(full, hi, BLOCK_N):
                 acc0, acc1, l_i, m_i = _attend_tile(
@@ -625,6 +649,7 @@ if triton is not None:
                     BLOCK_N,
                     CAUSAL,
                     True,
+                    LAZY_RESCALE,
                 )
 
             has_key = l_i > 0.0
@@ -767,7 +792,8 @@ def choose_config(batch: PrefillBatch) -> Config:
         _capability(batch),
     )
     over = {**_env_override(), **_OVERRIDE}
-    known = {k: over[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "warp_spec") if k in over}
+    fields = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "warp_spec", "lazy")
+    known = {k: over[k] for k in fields if k in over}
     return replace(cfg, **known) if known else cfg
 
 
@@ -923,6 +949,7 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None, num_splits: int 
                 MAYBE_NEG_SCALE=scale_neg_possible,
                 SPLIT=splits > 1,
                 WARP_SPEC=bool(cfg.warp_spec),
+                LAZY_RESCALE=bool(cfg.lazy),
                 num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages,
             )
