@@ -3,7 +3,7 @@
     python scripts/tune_triton.py --workloads llama8b_b1_q16k,page1_b16_q1k \
         --configs "128,64,8,3;128,128,8,2" [--graph]
 
-Each config is ``BLOCK_M,BLOCK_N,num_warps,num_stages[,warp_spec[,num_splits]]``;
+Each config is ``BLOCK_M,BLOCK_N,num_warps,num_stages[,lazy[,num_splits]]``;
 "default" means the backend's
 own choice. Times are do_bench medians (L2 flushed); with --graph the call is captured in a CUDA
 graph first so host overhead is excluded. Every timed output is checked against cuDNN's.
@@ -47,8 +47,11 @@ def parse_configs(text: str) -> list[dict | None]:
         if item == "default":
             out.append(None)
             continue
+        if "=" in item:  # key=value form, e.g. BLOCK_M=128,lazy=1
+            out.append({k: int(v) for k, v in (kv.split("=") for kv in item.split(","))})
+            continue
         vals = [int(x) for x in item.split(",")]
-        keys = ["BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "warp_spec", "num_splits"]
+        keys = ["BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "lazy", "num_splits"]
         out.append(dict(zip(keys, vals)))
     return out
 
@@ -76,6 +79,7 @@ def main() -> int:
                 print(f"{name:24s} cudnn failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
         for cfg in parse_configs(args.configs):
             label = "default" if cfg is None else ",".join(str(v) for v in cfg.values())
+            label = label if len(label) <= 12 else ",".join(f"{k[:2]}{v}" for k, v in cfg.items())
             try:
                 with tb.config_override(**(cfg or {})):
                     out = prefill(**kw, backend="triton")[0].float()

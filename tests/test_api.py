@@ -690,3 +690,15 @@ def test_empty_batch():
         backend="torch",
     )
     assert out.shape == (0, HQ, D) and lse.shape == (0, 4, HQ)
+
+
+@pytest.mark.gpu
+def test_capture_with_host_lengths_is_refused():
+    """Host lengths would be baked into a captured graph: the call must refuse, naming the flag."""
+    case = make_case(3, lens_q=[5, 2], lens_kv=[9, 4], device="cuda", dtype=torch.float16)
+    before = case.kwargs["out"].clone()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(ValueError, match="is_cuda_graph_compatible"):
+        with torch.cuda.graph(graph):
+            cudnn_batch_prefill_with_kv_cache(**case.kwargs)
+    assert torch.equal(case.kwargs["out"].view(torch.int16), before.view(torch.int16))

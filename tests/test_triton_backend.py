@@ -627,8 +627,15 @@ AOT_SPECS = [
 ]
 
 
-def test_compiles_for_sm90_without_spills(tmp_path):
-    """The real launches compile for an H100/H200 (sm_90), fit in shared memory and do not spill."""
+# The fastest configs measured on the H200 trade a few register spills for 256-row tiles (52 bytes
+# for D128, 380 for D192/128; the spill-free alternatives ran 5-15% slower: docs/triton_kernel.md).
+# The bound catches a config change that would spill heavily, not the measured trade-off.
+MAX_SPILL_BYTES = 512
+
+
+def test_compiles_for_sm90_without_heavy_spills(tmp_path):
+    """The real launches compile for an H100/H200 (sm_90), fit in shared memory and spill at most
+    MAX_SPILL_BYTES."""
     pytest.importorskip("triton.backends.nvidia")
     script = _AOT_SCRIPT.format(tests=str(ROOT / "tests"), specs=AOT_SPECS)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -641,7 +648,7 @@ def test_compiles_for_sm90_without_spills(tmp_path):
     for line in results:
         *_, shared, spill = line.split()
         assert int(shared) <= 227 * 1024, line
-        assert int(spill) == 0, line
+        assert int(spill) <= MAX_SPILL_BYTES, line
 
 
 # --------------------------------------------------------------------------------------------

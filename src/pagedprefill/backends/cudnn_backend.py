@@ -43,11 +43,14 @@ once per call. cuDNN's int32 metadata (13 rows, see ``_R_*``) is built
 
 * lengths on the host: in Python from ``batch.host`` (no torch op per sequence), then ONE pinned
   host-to-device copy into ``batch.scratch``;
-* lengths on the device (CUDA-graph mode): by ~9 fixed device ops from ``batch.meta`` (one integer
-  linear map, see :func:`_coefficients`), no host sync, nothing that depends on the lengths' values.
+* lengths on the device (CUDA-graph mode): by 11 fixed device ops from ``batch.meta`` (one integer
+  linear map, see :func:`_coefficients`), no host sync, nothing that depends on the lengths' values;
+  the empty-row fix-up adds 6.
 
-The page table is then one gather (``index_select``) plus a clamp, and the operands are bound to the
-built plan as torch tensors (the frontend reads them natively; bare addresses cost it ~50 us).
+The page table takes 4 more ops (an index grid, one ``index_select`` gather, a clamp), and the
+operands are bound to the built plan as torch tensors (the frontend reads them natively; bare
+addresses cost it ~4 us each). With lengths on the host a call thus issues 5 small device ops besides
+the cuDNN kernels (the api adds its own metadata copy).
 
 Graph cache and bucketing
 -------------------------
@@ -60,7 +63,8 @@ a serving loop (lengths, page ids, the caller's table width, row counts of q/out
 through these buckets. The CUDA stream is NOT part of the key: a built plan runs on whatever stream
 ``cudnn.set_stream`` gives its handle at execute time. Buckets: batch rounds up to a power of two;
 lengths to 64 * 4**k up to 4096, then powers of two (see :func:`bucket_len`); the table width follows
-the kv bucket. Padded batch entries get length 0, offset 0 and page 0.
+the kv bucket. Padded batch entries (and sequences cuDNN skips) get length 0, offset 0 and the first
+entry of the block table.
 
 CUDA graphs
 -----------
@@ -190,7 +194,8 @@ class GraphSpec:
         return (
             f"{self.q_dtype}/{self.kv_dtype}->{self.o_dtype} Hq={self.num_qo_heads} Hkv={self.num_kv_heads} "
             f"D={self.head_dim_qk}/{self.head_dim_vo} {kv} B={self.batch} Sq={self.max_q} Skv={self.max_kv} "
-            f"causal={self.causal} lse={lse}"
+            f"causal={self.causal} lse={lse} scale={self.scale:.4g} strides q{self.q_strides} "
+            f"o{self.o_strides} k{self.k_strides} v{self.v_strides}"
         )
 
 
@@ -509,8 +514,7 @@ class _Consts:
     ones: Tensor  # (1, row) int64
     arange: Tensor  # (row,) int64: batch index
     cols: Tensor  # (1, table_width) int64: page-table column index
-    signs: Tensor  # (4, 1) int32: +1 / -1 for the range ends of the fix-up
-    which: Tensor  # (4, 1) int64: 0 for the out ranges, 1 for the lse ranges
+    signs: Tensor  # (2, 2 * row) int32: +1 for the range starts, -1 for the range ends (fix-up)
     fp8: Tensor  # (3,) float32: descale_s, scale_s, scale_o
 
 
@@ -685,8 +689,7 @@ def _make_consts(spec: GraphSpec, layout: ScratchLayout, device: torch.device) -
         ones=torch.ones((1, row), dtype=torch.int64),
         arange=torch.arange(row, dtype=torch.int64),
         cols=torch.arange(max(spec.table_width, 1), dtype=torch.int64).unsqueeze(0),
-        signs=torch.tensor([[1], [-1], [1], [-1]], dtype=torch.int32),
-        which=torch.tensor([[0], [0], [1], [1]], dtype=torch.int64),
+        signs=torch.tensor([1, -1], dtype=torch.int32).repeat_interleave(row).repeat(2, 1),
         fp8=torch.tensor([1.0 / 256.0, 256.0, 1.0], dtype=torch.float32),
     )
     return _Consts(*(getattr(cpu, f).to(device) for f in cpu.__dataclass_fields__))
@@ -832,11 +835,6 @@ def unsupported_reason(batch: PrefillBatch) -> str | None:
         return None  # no query rows: nothing to build or run
     if unavailable_reason(batch.device) is not None:
         return None  # the caller reports unavailability separately
-    if batch.host is not None and torch.cuda.is_current_stream_capturing():
-        return (
-            "lengths on the host cannot be captured in a CUDA graph (the capture would replay this "
-            "call's lengths forever): pass them on the device with is_cuda_graph_compatible=True"
-        )
     got = _plan_for(batch)
     return got if isinstance(got, str) else None
 
@@ -984,9 +982,10 @@ def _fill_empty_rows(batch: PrefillBatch, plan: _Plan, fx: Tensor) -> None:
     the [lo, hi) row range to fix in out (rows 0-1) and in lse viewed as (rows, Hq) (rows 2-3).
     Difference arrays mark them: +1 at each lo, -1 at each hi, prefix sum > 0 inside a range."""
     rows_o, lse, hq = batch.out.shape[0], batch.lse, batch.num_qo_heads
-    k = _consts(plan, batch.device)
+    if fx.dtype != torch.int64:
+        fx = fx.long()
     marks = torch.zeros((2, _fix_extent(batch) + 1), dtype=torch.int32, device=batch.device)
-    marks.index_put_((k.which, fx), k.signs, accumulate=True)
+    marks.scatter_add_(1, fx.view(2, -1), _consts(plan, batch.device).signs)
     inside = marks.cumsum(1) > 0
     batch.out.masked_fill_(inside[0, :rows_o, None, None], 0)
     if lse is not None:
@@ -1032,7 +1031,7 @@ def _execute_cudnn(plan: _Plan, batch: PrefillBatch, views: _Views) -> None:
         try:
             plan.graph.execute({t: ops[n] for n, t in plan.tensors.items()}, views.workspace, handle=handle)
             return
-        except (TypeError, ValueError) as exc:  # the frontend could not read a torch tensor
+        except Exception as exc:  # the frontend could not take torch tensors: bind addresses instead
             if plan.binding_error is not None:
                 raise
             plan.binding, plan.binding_error = "addresses", f"{type(exc).__name__}: {exc}"

@@ -171,11 +171,11 @@ def default_config(
     if elem_bytes == 4:  # float32: IEEE dots run on FMA units, register hungry: small tiles
         cfg = Config(32, 16, 8, 2) if d <= 128 else Config(16, 16, 8, 2)
     elif d <= 64:
-        cfg = Config(128, 64, 8, 3)
-    elif d <= 128:
-        cfg = Config(128, 64, 8, 3)
+        cfg = Config(128, 64, 4, 3)
     elif d <= 192:
-        cfg = Config(128, 64, 8, 2)
+        # H200 sweep (docs/triton_kernel.md, 2026-11-29): 256 rows on 8 warps with lazy rescaling
+        # was the best or near-best config on every D128 and D192/128 workload but page size 1.
+        cfg = Config(256, 64, 8, 3, lazy=1)
     else:
         cfg = Config(64, 64, 8, 2)
     major, _minor = capability
@@ -791,6 +791,8 @@ def choose_config(batch: PrefillBatch) -> Config:
         batch.causal,
         _capability(batch),
     )
+    if batch.page_size == 1 and cfg.BLOCK_M == 256 and _capability(batch) is not None:
+        cfg = Config(128, 64, 4, 3)  # per-key gathers: the smaller tile wins (240 vs 213 TFLOP/s)
     over = {**_env_override(), **_OVERRIDE}
     fields = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "warp_spec", "lazy")
     known = {k: over[k] for k in fields if k in over}
