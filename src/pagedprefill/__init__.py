@@ -5,6 +5,7 @@ from pagedprefill.api import (
     BackendUnavailableError,
     batch_prefill_with_kv_cache,
     cudnn_batch_prefill_with_kv_cache,
+    last_backend,
 )
 
 __all__ = [
@@ -12,5 +13,6 @@ __all__ = [
     "BackendUnavailableError",
     "batch_prefill_with_kv_cache",
     "cudnn_batch_prefill_with_kv_cache",
+    "last_backend",
 ]
 __version__ = "0.1.0"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -27,6 +28,7 @@ __all__ = [
     "PrefillBatch",
     "batch_prefill_with_kv_cache",
     "cudnn_batch_prefill_with_kv_cache",
+    "last_backend",
 ]
 
 BACKENDS = ("auto", "cudnn", "triton", "torch")
@@ -227,8 +229,18 @@ def cudnn_batch_prefill_with_kv_cache(
     module = _select_backend(backend, batch)
     _fill_metadata(batch, module)
     module.run(batch)
+    _LAST.backend = module.NAME
     lse_ret = batch.extras["lse_user_view"] if return_lse else None
     return batch.extras["out_user_view"], lse_ret
+
+
+_LAST = threading.local()
+
+
+def last_backend() -> str | None:
+    """The backend that served the most recent successful call in this thread (e.g. what "auto"
+    picked), or None before the first call."""
+    return getattr(_LAST, "backend", None)
 
 
 def batch_prefill_with_kv_cache(

@@ -69,15 +69,10 @@ def _time_per_call(fn, device: torch.device, reps: int) -> float:
     return statistics.median(times)
 
 
-def _resolved_backend(case: dict, backend: str) -> str:
-    """The backend ``auto`` picks, when the library can say (else the name asked for)."""
-    resolve = getattr(api, "resolve_backend_name", None)
-    if backend != "auto" or resolve is None:
-        return backend
-    try:
-        return f"auto -> {resolve(**case, backend=backend)}"
-    except Exception:
-        return backend
+def _resolved_backend(backend: str) -> str:
+    """The backend that served the last call (what ``auto`` picked)."""
+    used = api.last_backend()
+    return f"auto -> {used}" if backend == "auto" and used else backend
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"backend {args.backend!r} cannot run here: {e}", file=sys.stderr)
         return 2
     first_s = time.perf_counter() - t0
-    print(f"backend:     {_resolved_backend(case, args.backend)}")
+    print(f"backend:     {_resolved_backend(args.backend)}")
     print(f"out:         {tuple(out.shape)} {out.dtype}")
     print(f"lse:         {tuple(lse.shape)} {lse.dtype}")
     ref_out, ref_lse = api.cudnn_batch_prefill_with_kv_cache(

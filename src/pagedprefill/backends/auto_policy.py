@@ -1,9 +1,29 @@
-"""Which backend ``backend="auto"`` tries first on a CUDA device (filled from recorded benchmarks)."""
+"""Which backend ``backend="auto"`` tries first on a CUDA device.
+
+From the H200 measurements recorded in ``bench/results/h200.json`` and ``docs/triton_kernel.md``
+(kernel times, both backends in one run, 2026-11-29):
+
+* page size < 16: Triton's per-key gathers beat cuDNN's paged kernel (page 1: 1.75x);
+* short prefills (max_q x max_kv <= 2^21, e.g. 16 x 1k x 1k): Triton wins (1.25x), and it has no
+  per-shape graph build and less host work per call;
+* long prefills and prefixes: cuDNN's kernels are ~15% faster than ours.
+
+Anything cuDNN cannot serve (fp8 on Hopper, a head dim it refuses, no graph built yet during CUDA
+graph capture, package missing) falls through to the next backend in the list.
+"""
 
 from __future__ import annotations
 
 from pagedprefill.api import PrefillBatch
 
+SMALL_WORK = 1 << 21  # max_q * max_kv at or below which Triton is preferred
+
 
 def order(batch: PrefillBatch) -> list[str]:
-    return ["triton", "cudnn", "torch"]
+    triton_first = (
+        (batch.paged and batch.page_size < 16)
+        or batch.max_q * batch.max_kv <= SMALL_WORK
+        or batch.q.dtype.itemsize == 1
+        or batch.k.dtype.itemsize == 1
+    )
+    return ["triton", "cudnn", "torch"] if triton_first else ["cudnn", "triton", "torch"]

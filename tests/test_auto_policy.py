@@ -1,0 +1,55 @@
+"""backend="auto" ordering (pure Python: runs on the CPU with stand-in batches)."""
+
+from types import SimpleNamespace
+
+import torch
+
+import pagedprefill
+from pagedprefill.backends import auto_policy
+
+
+def _batch(page_size=16, max_q=4096, max_kv=4096, dtype=torch.bfloat16, kv_dtype=None, paged=True):
+    return SimpleNamespace(
+        paged=paged,
+        page_size=page_size if paged else 0,
+        max_q=max_q,
+        max_kv=max_kv,
+        q=torch.empty(0, dtype=dtype),
+        k=torch.empty(0, dtype=kv_dtype or dtype),
+    )
+
+
+def test_long_prefills_prefer_cudnn():
+    assert auto_policy.order(_batch())[0] == "cudnn"
+    assert auto_policy.order(_batch(paged=False, max_q=4096, max_kv=4096))[0] == "cudnn"
+
+
+def test_small_pages_short_prefills_and_fp8_prefer_triton():
+    assert auto_policy.order(_batch(page_size=1))[0] == "triton"
+    assert auto_policy.order(_batch(max_q=1024, max_kv=1024))[0] == "triton"
+    assert auto_policy.order(_batch(kv_dtype=torch.float8_e4m3fn))[0] == "triton"
+
+
+def test_every_order_ends_with_the_reference():
+    for b in (_batch(), _batch(page_size=1)):
+        assert auto_policy.order(b)[-1] == "torch" and len(set(auto_policy.order(b))) == 3
+
+
+def test_last_backend_reports_what_auto_picked_on_cpu():
+    q = torch.randn(3, 2, 16)
+    k = torch.randn(3, 1, 16)
+    ws = torch.empty(4096, dtype=torch.uint8)
+    pagedprefill.batch_prefill_with_kv_cache(
+        q,
+        k,
+        k,
+        0.25,
+        ws,
+        max_token_per_sequence=3,
+        max_sequence_kv=3,
+        actual_seq_lens_q=torch.tensor([3]),
+        actual_seq_lens_kv=torch.tensor([3]),
+        causal=True,
+        return_lse=False,
+    )
+    assert pagedprefill.last_backend() == "torch"
