@@ -12,7 +12,9 @@ device are clamped, never trusted), :func:`_select_backend` (backend choice and 
 
 from __future__ import annotations
 
+import array
 import importlib
+import itertools
 import math
 import threading
 from collections.abc import Sequence
@@ -785,8 +787,9 @@ def _fill_metadata(batch: PrefillBatch, module: ModuleType) -> None:
     if h is None:
         _device_metadata(batch, batch.meta)
     elif bsz:
-        table = torch.tensor(
-            [h.lens_q, h.lens_kv, h.q_start, h.o_start, h.k_start, h.v_start, h.lse_start], dtype=torch.int32
+        rows = (h.lens_q, h.lens_kv, h.q_start, h.o_start, h.k_start, h.v_start, h.lse_start)
+        table = torch.frombuffer(array.array("i", itertools.chain(*rows)), dtype=torch.int32).view(
+            len(rows), -1
         )
         if batch.meta.is_cuda:
             # Pinned + non_blocking: no stream sync, so the host can queue work ahead. PyTorch's

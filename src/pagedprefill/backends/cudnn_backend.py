@@ -956,8 +956,9 @@ def _write_device_metadata(batch: PrefillBatch, plan: _Plan, views: _Views) -> T
 
 
 def _write_table(batch: PrefillBatch, plan: _Plan, views: _Views) -> None:
-    """Our page table: entry (b, j) = block_tables[b, min(j, last page of b)], clamped; rows of padded
-    or skipped sequences read entry 0. One gather + one clamp."""
+    """Our page table: entry (b, j) = block_tables[b, min(j, last page of b)], clamped to real pages;
+    rows of padded or skipped sequences repeat the table's first entry. An index grid (2 ops), one
+    gather, one clamp; ``block_tables`` may have any row stride."""
     bt, table = batch.block_tables, views.table
     width = bt.shape[1]
     if width == 0:  # then every kv_len is 0: any valid page id will do
