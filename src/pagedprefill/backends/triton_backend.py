@@ -167,7 +167,7 @@ def default_config(
     if tuned is not None:
         return tuned
     d = max(sum(split_head_dim(dqk)[:2]), sum(split_head_dim(dvo)[:2]))
-    # (ptxas on sm_90a, no register spills for any of these; see docs/triton_kernel.md)
+    # (ptxas spills and the H200 sweeps behind these choices: docs/triton_kernel.md)
     if elem_bytes == 4:  # float32: IEEE dots run on FMA units, register hungry: small tiles
         cfg = Config(32, 16, 8, 2) if d <= 128 else Config(16, 16, 8, 2)
     elif d <= 64:
