@@ -1,0 +1,60 @@
+"""The custom-op entry point: same results as the oracle, eager and under torch.compile(fullgraph)."""
+
+import pytest
+import torch
+from oracle import check, make_case
+
+from pagedprefill import ops
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+ATOL = 2e-2 if DEVICE == "cuda" else 1e-4
+
+
+def _case(seed, **kw):
+    base = dict(lens_q=[5, 0, 7, 3], lens_kv=[9, 3, 7, 11], hq=4, hkv=2, dqk=64, dtype=DTYPE, device=DEVICE)
+    return make_case(seed, **{**base, **kw})
+
+
+@pytest.mark.parametrize("page_size,lse_layout,offsets", [(4, "padded", "none"), (0, "packed", "tokens")])
+def test_compiled_fullgraph_matches_oracle(page_size, lse_layout, offsets):
+    case = _case(11 + page_size, page_size=page_size, lse_layout=lse_layout, offsets=offsets, gaps=True)
+    kw = dict(case.kwargs)
+    q = kw.pop("q")
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def layer(q):
+        out, lse = ops.batch_prefill_with_kv_cache(q, **kw)
+        return out, lse
+
+    out, lse = layer(q)
+    check(case, out, lse, atol=ATOL, lse_atol=ATOL)
+
+
+def test_allocates_outputs_like_the_eager_function():
+    case = _case(21, page_size=3, with_out=False)
+    out, lse = ops.batch_prefill_with_kv_cache(**case.kwargs)
+    check(case, out, lse, atol=ATOL, lse_atol=ATOL)  # uncovered rows: 0 / -inf
+
+
+def test_errors_name_the_argument_and_write_nothing():
+    case = _case(31, page_size=4)
+    kw = dict(case.kwargs, max_sequence_kv=2)  # KV lengths above it
+    before = kw["out"].clone()
+    with pytest.raises(ValueError, match="^actual_seq_lens_kv: expected lengths <= max_sequence_kv"):
+        ops.batch_prefill_with_kv_cache(**kw)
+    assert torch.equal(kw["out"].view(torch.uint8), before.view(torch.uint8))
+    with pytest.raises(ValueError, match="^out: expected dtype"):
+        ops.batch_prefill_with_kv_cache(**dict(case.kwargs, o_data_type=torch.float16))
+
+
+def test_opcheck():
+    case = _case(41, page_size=4, lens_q=[3, 2], lens_kv=[5, 4])
+    kw = case.kwargs
+    args = (
+        kw["q"], kw["k_cache"], kw["v_cache"], kw["scale"], kw["workspace_buffer"],
+        kw["max_token_per_sequence"], kw["max_sequence_kv"], kw["actual_seq_lens_q"],
+        kw["actual_seq_lens_kv"], kw["block_tables"], kw["causal"], None, None, None,
+        None, None, None, None, None, "elements", kw["out"], kw["lse"], False, "auto",
+    )  # fmt: skip
+    torch.library.opcheck(torch.ops.pagedprefill.batch_prefill.default, args)

@@ -1,0 +1,45 @@
+"""q as a slice of a fused QKV projection and out as a view with padded rows: every backend must
+read and write through the real strides (and leave the padding alone)."""
+
+import os
+
+import pytest
+import torch
+from oracle import check, make_case, poison
+
+import pagedprefill
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+BACKENDS = ["torch", "triton"] + (["cudnn"] if HAS_CUDA else [])
+
+
+def _available(backend: str) -> bool:
+    if backend == "triton" and not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    return True
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_fused_qkv_slice_and_padded_out(backend, page_size):
+    if not _available(backend):
+        pytest.skip("triton needs a GPU or TRITON_INTERPRET=1")
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float16 if backend == "triton" else torch.float32
+    hq, hkv, d = 4, 2, 64
+    case = make_case(
+        70 + page_size, lens_q=[9, 4, 13], lens_kv=[20, 4, 29], hq=hq, hkv=hkv, dqk=d,
+        page_size=page_size, dtype=dtype, device=DEVICE,
+    )  # fmt: skip
+    q = case.kwargs["q"]
+    fused = torch.randn(q.shape[0], hq + 2 * hkv, d, dtype=torch.float32).to(dtype).to(DEVICE)
+    fused[:, :hq] = q
+    q_view = fused[:, :hq]  # row stride (Hq + 2 Hkv) * D
+    out_buf = poison(torch.empty(q.shape[0], hq, d + 32, dtype=dtype, device=DEVICE))
+    out_view = out_buf[..., :d]  # head stride D + 32
+    kw = dict(case.kwargs, q=q_view, out=out_view)
+    out, lse = pagedprefill.cudnn_batch_prefill_with_kv_cache(**kw, backend=backend)
+    assert out.data_ptr() == out_view.data_ptr()
+    atol = 2e-2 if dtype == torch.bfloat16 else 5e-3 if dtype == torch.float16 else 1e-4
+    check(case, out, lse, atol=atol, lse_atol=atol)
+    assert torch.isnan(out_buf[..., d:].float()).all(), "the padding after each head was written"
