@@ -628,27 +628,7 @@ def main() -> int:
 
         public()
         k = c.kwargs
-        batch = api._normalise(
-            k["q"],
-            k["k_cache"],
-            k["v_cache"],
-            k["scale"],
-            k["workspace_buffer"],
-            max_q=k["max_token_per_sequence"],
-            max_kv=k["max_sequence_kv"],
-            lens_q=k["actual_seq_lens_q"],
-            lens_kv=k["actual_seq_lens_kv"],
-            block_tables=k["block_tables"],
-            causal=k["causal"],
-            return_lse=True,
-            scales=(None, None, None),
-            offsets=(None,) * 5,
-            units="elements",
-            out=k["out"],
-            lse=k["lse"],
-            graph_mode=False,
-            o_data_type=None,
-        )
+        batch = api._normalise(**k)
         api._fill_metadata(batch, cb)
 
         def backend_only():  # what the backend does per call, resolution included

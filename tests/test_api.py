@@ -611,28 +611,7 @@ def test_int64_block_table():
 
 
 def _normalised(case):
-    kw = case.kwargs
-    return api_mod._normalise(
-        kw["q"],
-        kw["k_cache"],
-        kw["v_cache"],
-        kw["scale"],
-        kw["workspace_buffer"],
-        max_q=kw["max_token_per_sequence"],
-        max_kv=kw["max_sequence_kv"],
-        lens_q=kw["actual_seq_lens_q"],
-        lens_kv=kw["actual_seq_lens_kv"],
-        block_tables=kw.get("block_tables"),
-        causal=kw["causal"],
-        return_lse=kw["return_lse"],
-        scales=(kw.get("q_scale"), kw.get("k_scale"), kw.get("v_scale")),
-        offsets=tuple(kw.get(f"batch_offsets_{n}") for n in ("q", "o", "k", "v", "stats")),
-        units=kw.get("batch_offsets_units", "elements"),
-        out=kw.get("out"),
-        lse=kw.get("lse"),
-        graph_mode=False,
-        o_data_type=None,
-    )
+    return api_mod._normalise(**case.kwargs)
 
 
 @pytest.mark.parametrize(

@@ -21,28 +21,7 @@ TOL = {BF16: dict(atol=3e-2, lse_atol=2e-2), FP16: dict(atol=1e-2, lse_atol=5e-3
 
 def _batch(case, **override) -> api.PrefillBatch:
     """The normalised PrefillBatch of an oracle case (no backend chosen, nothing run)."""
-    kw = dict(case.kwargs, **override)
-    return api._normalise(
-        kw.pop("q"),
-        kw.pop("k_cache"),
-        kw.pop("v_cache"),
-        kw.pop("scale"),
-        kw.pop("workspace_buffer"),
-        max_q=kw.pop("max_token_per_sequence"),
-        max_kv=kw.pop("max_sequence_kv"),
-        lens_q=kw.pop("actual_seq_lens_q"),
-        lens_kv=kw.pop("actual_seq_lens_kv"),
-        block_tables=kw.pop("block_tables", None),
-        causal=kw.pop("causal"),
-        return_lse=kw.pop("return_lse"),
-        scales=(kw.pop("q_scale", None), kw.pop("k_scale", None), kw.pop("v_scale", None)),
-        offsets=tuple(kw.pop(f"batch_offsets_{n}", None) for n in ("q", "o", "k", "v", "stats")),
-        units=kw.pop("batch_offsets_units", "elements"),
-        out=kw.pop("out", None),
-        lse=kw.pop("lse", None),
-        graph_mode=kw.pop("is_cuda_graph_compatible", False),
-        o_data_type=kw.pop("o_data_type", None),
-    )
+    return api._normalise(**dict(case.kwargs, **override))
 
 
 def _spec(**kw) -> cb.GraphSpec:

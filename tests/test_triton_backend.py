@@ -111,29 +111,7 @@ def check_sampled(case, out, lse, *, atol, lse_atol=None, per_seq=6, seed=0):
 
 def direct_batch(case, backend_module=tb):
     """Normalise a case's arguments into a PrefillBatch without running it (for direct backend calls)."""
-    kw = case.kwargs
-    offs = tuple(kw.get(f"batch_offsets_{n}") for n in ("q", "o", "k", "v", "stats"))
-    batch = api._normalise(
-        kw["q"],
-        kw["k_cache"],
-        kw["v_cache"],
-        kw["scale"],
-        kw["workspace_buffer"],
-        max_q=kw["max_token_per_sequence"],
-        max_kv=kw["max_sequence_kv"],
-        lens_q=kw["actual_seq_lens_q"],
-        lens_kv=kw["actual_seq_lens_kv"],
-        block_tables=kw.get("block_tables"),
-        causal=kw["causal"],
-        return_lse=kw["return_lse"],
-        scales=(kw.get("q_scale"), kw.get("k_scale"), kw.get("v_scale")),
-        offsets=offs,
-        units=kw.get("batch_offsets_units", "elements"),
-        out=kw.get("out"),
-        lse=kw.get("lse"),
-        graph_mode=kw.get("is_cuda_graph_compatible", False),
-        o_data_type=None,
-    )
+    batch = api._normalise(**case.kwargs)
     api._fill_metadata(batch, backend_module)
     return batch
 

@@ -208,26 +208,16 @@ def cudnn_batch_prefill_with_kv_cache(
         lse -inf.
     """
     batch = _normalise(
-        q,
-        k_cache,
-        v_cache,
-        scale,
-        workspace_buffer,
-        max_q=max_token_per_sequence,
-        max_kv=max_sequence_kv,
-        lens_q=actual_seq_lens_q,
-        lens_kv=actual_seq_lens_kv,
-        block_tables=block_tables,
-        causal=causal,
-        return_lse=return_lse,
-        scales=(q_scale, k_scale, v_scale),
-        offsets=(batch_offsets_q, batch_offsets_o, batch_offsets_k, batch_offsets_v, batch_offsets_stats),
-        units=batch_offsets_units,
-        out=out,
-        lse=lse,
-        graph_mode=is_cuda_graph_compatible,
-        o_data_type=o_data_type,
-    )
+        q, k_cache, v_cache, scale, workspace_buffer,
+        max_token_per_sequence=max_token_per_sequence, max_sequence_kv=max_sequence_kv,
+        actual_seq_lens_q=actual_seq_lens_q, actual_seq_lens_kv=actual_seq_lens_kv,
+        block_tables=block_tables, causal=causal, return_lse=return_lse,
+        q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+        batch_offsets_q=batch_offsets_q, batch_offsets_o=batch_offsets_o,
+        batch_offsets_k=batch_offsets_k, batch_offsets_v=batch_offsets_v,
+        batch_offsets_stats=batch_offsets_stats, batch_offsets_units=batch_offsets_units,
+        out=out, lse=lse, is_cuda_graph_compatible=is_cuda_graph_compatible, o_data_type=o_data_type,
+    )  # fmt: skip
     module = _select_backend(backend, batch)
     _fill_metadata(batch, module)
     module.run(batch)
@@ -342,26 +332,39 @@ def _int_arg(name: str, x: object, minimum: int) -> int:
 
 def _normalise(
     q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
     scale: float,
-    workspace: Tensor,
+    workspace_buffer: Tensor,
     *,
-    max_q: int,
-    max_kv: int,
-    lens_q: Tensor | None,
-    lens_kv: Tensor | None,
-    block_tables: Tensor | None,
+    max_token_per_sequence: int,
+    max_sequence_kv: int,
+    actual_seq_lens_q: Tensor | None = None,
+    actual_seq_lens_kv: Tensor | None = None,
+    block_tables: Tensor | None = None,
     causal: bool,
     return_lse: bool,
-    scales: tuple,
-    offsets: tuple,
-    units: str,
-    out: Tensor | None,
-    lse: Tensor | None,
-    graph_mode: bool,
-    o_data_type: torch.dtype | None,
+    q_scale: Tensor | float | None = None,
+    k_scale: Tensor | float | None = None,
+    v_scale: Tensor | float | None = None,
+    batch_offsets_q: Tensor | None = None,
+    batch_offsets_o: Tensor | None = None,
+    batch_offsets_k: Tensor | None = None,
+    batch_offsets_v: Tensor | None = None,
+    batch_offsets_stats: Tensor | None = None,
+    batch_offsets_units: str = "elements",
+    out: Tensor | None = None,
+    lse: Tensor | None = None,
+    is_cuda_graph_compatible: bool = False,
+    o_data_type: torch.dtype | None = None,
 ) -> PrefillBatch:
+    """The public function's arguments (all but ``backend``), checked, as one PrefillBatch."""
+    k, v, workspace = k_cache, v_cache, workspace_buffer
+    max_q, max_kv = max_token_per_sequence, max_sequence_kv
+    lens_q, lens_kv = actual_seq_lens_q, actual_seq_lens_kv
+    scales = (q_scale, k_scale, v_scale)
+    offsets = (batch_offsets_q, batch_offsets_o, batch_offsets_k, batch_offsets_v, batch_offsets_stats)
+    units, graph_mode = batch_offsets_units, is_cuda_graph_compatible
     q = _check_tensor("q", q, 3)
     dev = q.device
     if q.dtype not in FLOAT_DTYPES + FP8_DTYPES:
