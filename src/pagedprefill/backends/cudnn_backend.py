@@ -1064,4 +1064,9 @@ def run(batch: PrefillBatch) -> None:
         _write_table(batch, plan, views)
     _EXECUTE(plan, batch, views)
     if fx is not None:
-        _fill_empty_rows(batch, plan, fx)
+        # Row-exact Triton fix-up when Triton can run (writes only the rows with no visible key);
+        # else the masked fill, a read-modify-write of the whole out / lse.
+        from pagedprefill.backends import triton_backend
+
+        if not triton_backend.write_empty_rows(batch):
+            _fill_empty_rows(batch, plan, fx)

@@ -756,6 +756,45 @@ if triton is not None:
                 lse_off = lse_start.to(tl.int64) + tok.to(tl.int64) * num_heads_q + heads
                 tl.store(LSE + lse_off, lse2 * 0.6931471805599453, mask=h_ok)
 
+    @triton.jit(do_not_specialize=["meta_stride", "num_heads"])
+    def _empty_rows_kernel(
+        Out,
+        LSE,
+        META,
+        meta_stride,
+        stride_ot,
+        stride_oh,
+        num_heads,
+        DV: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        HAS_LSE: tl.constexpr,
+    ):
+        """out = 0, lse = -inf on row ``program_id(0)`` of sequence ``program_id(1)`` if that row
+        sees no key (kv_len 0, or causal with the row above the bottom-right diagonal)."""
+        i = tl.program_id(0)
+        b = tl.program_id(1)
+        q_len = tl.load(META + b)
+        kv_len = tl.load(META + meta_stride + b)
+        if CAUSAL:
+            empty = (i < q_len) & (i < q_len - kv_len)
+        else:
+            empty = (i < q_len) & (kv_len == 0)
+        if empty:
+            o_start = tl.load(META + 3 * meta_stride + b)
+            row = (o_start + i).to(tl.int64) * stride_ot
+            d = tl.arange(0, BLOCK_D)
+            for h0 in range(0, num_heads, BLOCK_H):
+                h = h0 + tl.arange(0, BLOCK_H)
+                ptr = Out + row + h[:, None].to(tl.int64) * stride_oh + d[None, :]
+                zero = tl.zeros([BLOCK_H, BLOCK_D], Out.dtype.element_ty)
+                tl.store(ptr, zero, mask=(h[:, None] < num_heads) & (d[None, :] < DV))
+                if HAS_LSE:
+                    lse_start = tl.load(META + 6 * meta_stride + b)
+                    off = lse_start.to(tl.int64) + i.to(tl.int64) * num_heads + h
+                    tl.store(LSE + off, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=h < num_heads)
+
 
 # --------------------------------------------------------------------------------------------
 # Host side
@@ -1006,12 +1045,45 @@ def _fallback_config(cfg: Config) -> Config | None:
 _FALLBACKS: dict = {}
 
 
+def write_empty_rows(batch: PrefillBatch) -> bool:
+    """out = 0 and lse = -inf on exactly the rows that see no key, read from ``batch.meta`` on the
+    device (no host sync, nothing else touched). For backends whose kernels skip such rows.
+    Returns False (nothing done) when the Triton kernels cannot run here."""
+    if triton is None or unavailable_reason(batch.device) is not None:
+        return False
+    if batch.batch_size == 0 or batch.max_q == 0:
+        return True
+    if batch.batch_size > GRID_LIMIT:
+        return False
+    out = batch.out
+    dv = batch.head_dim_vo
+    block_d = _pow2_ceil(dv)
+    block_h = max(1, min(_pow2_ceil(batch.num_qo_heads), 4096 // block_d))
+    meta = batch.meta
+    _empty_rows_kernel[(batch.max_q, batch.batch_size)](
+        out,
+        batch.lse if batch.lse is not None else meta,
+        meta,
+        meta.stride(0),
+        out.stride(0),
+        out.stride(1),
+        batch.num_qo_heads,
+        DV=dv,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        CAUSAL=bool(batch.causal),
+        HAS_LSE=batch.lse is not None,
+        num_warps=4,
+    )
+    return True
+
+
 def compile_count() -> int:
     """Kernel variants compiled so far in this process (all devices); 0 under the interpreter."""
     if triton is None or INTERPRETED:
         return 0
     total = 0
-    for kernel in (_prefill_kernel, _merge_kernel):
+    for kernel in (_prefill_kernel, _merge_kernel, _empty_rows_kernel):
         total += sum(len(cache[0]) for cache in kernel.device_caches.values())
     return total
 
