@@ -8,8 +8,9 @@ import pagedprefill
 from pagedprefill.backends import auto_policy
 
 
-def _batch(page_size=16, max_q=4096, max_kv=4096, dtype=torch.bfloat16, kv_dtype=None, paged=True):
+def _batch(page_size=16, max_q=4096, max_kv=4096, dtype=torch.bfloat16, kv_dtype=None, paged=True, graph=0):
     return SimpleNamespace(
+        graph_mode=graph,
         paged=paged,
         page_size=page_size if paged else 0,
         max_q=max_q,
@@ -28,6 +29,11 @@ def test_small_pages_short_prefills_and_fp8_prefer_triton():
     assert auto_policy.order(_batch(page_size=1))[0] == "triton"
     assert auto_policy.order(_batch(max_q=1024, max_kv=1024))[0] == "triton"
     assert auto_policy.order(_batch(kv_dtype=torch.float8_e4m3fn))[0] == "triton"
+
+
+def test_captured_short_prefills_prefer_cudnn_but_small_pages_stay_on_triton():
+    assert auto_policy.order(_batch(max_q=1024, max_kv=1024, graph=1))[0] == "cudnn"
+    assert auto_policy.order(_batch(page_size=1, max_q=1024, max_kv=1024, graph=1))[0] == "triton"
 
 
 def test_every_order_ends_with_the_reference():
