@@ -388,8 +388,10 @@ def _random_case(seed, **over):
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_run_pipeline_emulated(emulated, seed):
+def test_run_pipeline_emulated(emulated, seed, monkeypatch):
     emulated["device_path"] = seed % 2 == 1
+    if seed % 4 >= 2:  # the torch-ops path (no Triton) instead of the one-launch preparation
+        monkeypatch.setattr(cb, "_prepare", lambda batch, plan, views: False)
     case = _random_case(seed)
     out, lse = pagedprefill.cudnn_batch_prefill_with_kv_cache(**case.kwargs, backend="cudnn")
     check(case, out, lse, **TOL[BF16])
@@ -446,6 +448,47 @@ def test_host_and_device_metadata_agree(seed):
         assert torch.equal(fd[0], fd[1]) and torch.equal(fd[2], fd[3])
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_prepare_kernel_matches_the_torch_path(seed):
+    """The one-launch Triton preparation (run() uses it wherever Triton runs) writes the same
+    cuDNN metadata rows 0..6 and page table as the torch-ops path, and the same out / lse bytes
+    (0 / -inf on exactly the rows without keys, every other byte untouched)."""
+    case = _random_case(3000 + seed, page_size=random.Random(seed).choice([0, 1, 4, 16]))
+    plan = _emulated_plan(_batch(case))
+    device_path = seed % 2 == 1
+    got = []
+    for use_kernel in (False, True):
+        batch = _prepared(case, plan, device_path)
+        gen = torch.Generator().manual_seed(seed)
+        batch.out.copy_(torch.randn(batch.out.shape, generator=gen).to(batch.out.dtype))
+        if batch.lse is not None:
+            batch.lse.copy_(torch.randn(batch.lse.shape, generator=gen))
+        views = cb._views(batch, plan)
+        views.ints.fill_(-3)
+        if plan.spec.paged:
+            views.table.fill_(-3)
+        if use_kernel:
+            assert cb._prepare(batch, plan, views)
+        else:
+            fx = cb._write_host_metadata(batch, plan, views) if batch.host else None
+            if batch.host is None:
+                fx = cb._write_device_metadata(batch, plan, views)
+            if plan.spec.paged:
+                cb._write_table(batch, plan, views)
+            if fx is not None:
+                cb._fill_empty_rows(batch, plan, fx)
+        lse = batch.lse.clone() if batch.lse is not None else None
+        table = views.table.clone() if plan.spec.paged else None
+        got.append((views.ints[: cb._R_LAST].clone(), table, batch.out.clone(), lse))
+    (it, tt, ot, lt), (ik, tk, ok, lk) = got
+    assert torch.equal(it, ik), (it, ik)
+    if plan.spec.paged:
+        assert torch.equal(tt, tk)
+    assert torch.equal(ot.view(torch.int16), ok.view(torch.int16))
+    if lt is not None:
+        assert torch.equal(lt, lk)
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_page_table_copy_reads_only_listed_pages(seed):
     """Entry (b, j) of our table is block_tables[b, min(j, last page of b)]: entries the caller lists
@@ -494,18 +537,30 @@ def _kernel_ops(fn) -> tuple[int, list[str]]:
     return sum(n not in views and n != "lift_fresh" for n in names), names
 
 
-@pytest.mark.parametrize("device_path", [False, True])
-def test_per_call_torch_ops_are_few_and_independent_of_batch(device_path, monkeypatch):
-    """The host cost of a call is dominated by torch ops: run() issues a fixed handful (no torch op
-    per sequence, none that scales with the batch), whatever the batch size. Lengths on the host
-    (no row without visible keys): one host-to-device copy, the page table (minimum, add, gather,
-    clamp), views. CUDA-graph mode: 11 ops for the metadata, 4 for the table; the fix-up of rows
-    without keys is one Triton launch (stubbed here: under the interpreter it would run as torch ops)."""
-    from pagedprefill.backends import triton_backend
+class _CountingLaunch:
+    """Stand-in for ``_prepare_kernel``: records launches (grid, constexprs), runs nothing."""
 
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.launches.append((grid, kw))
+
+
+@pytest.mark.parametrize("triton_path", [True, False], ids=["triton", "torch-ops"])
+@pytest.mark.parametrize("device_path", [False, True], ids=["host-lengths", "device-lengths"])
+def test_per_call_device_work_is_fixed_and_independent_of_batch(device_path, triton_path, monkeypatch):
+    """The host cost of a call is dominated by its launches: run() issues a fixed handful, none per
+    sequence, whatever the batch size. Where Triton runs: ONE launch (metadata, page table and the
+    rows without keys) and no torch op but views. Without Triton: lengths on the host, one copy +
+    4 ops for the table; lengths on the device, 11 ops for the metadata, 4 for the table, 6 for
+    the rows without keys."""
     monkeypatch.setattr(cb, "_EXECUTE", lambda plan, batch, views: cb._operands(plan, batch, views))
-    fixups = []
-    monkeypatch.setattr(triton_backend, "write_empty_rows", lambda batch: fixups.append(batch) or True)
+    launcher = _CountingLaunch()
+    if triton_path:
+        monkeypatch.setattr(cb, "_prepare_kernel", launcher)
+    else:
+        monkeypatch.setattr(cb, "_prepare", lambda batch, plan, views: False)
     counts = {}
     for bsz in (1, 5, 40):
         lens_kv = [17 + 3 * b for b in range(bsz)]
@@ -520,9 +575,13 @@ def test_per_call_torch_ops_are_few_and_independent_of_batch(device_path, monkey
     assert len({c[0] for c in counts.values()}) == 1, counts
     assert len({len(c[1]) for c in counts.values()}) == 1, counts
     kernels, names = counts[40]
-    if device_path:
-        assert kernels <= 15 and len(names) <= 64, names
-        assert len(fixups) == 3  # one fix-up launch per call
+    if triton_path:
+        assert kernels == 0, names
+        assert len(launcher.launches) == 3  # one per call
+        fixes = {kw["FIX"] for _grid, kw in launcher.launches}
+        assert fixes == {device_path}  # host lengths, every row sees a key: no fix-up work
+    elif device_path:
+        assert kernels <= 21 and len(names) <= 80, names
     else:
         assert kernels <= 5 and len(names) <= 30, names
 

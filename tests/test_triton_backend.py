@@ -881,3 +881,63 @@ def test_lazy_rescale_with_growing_maxima(lazy, scale):
     with tb.config_override(lazy=lazy):
         out, lse = pagedprefill.cudnn_batch_prefill_with_kv_cache(**case.kwargs, backend="triton")
     check(case, out, lse, atol=2e-2 if HAS_CUDA else 1e-4, lse_atol=2e-2)
+
+
+# --------------------------------------------------------------------------------------------
+# The api's CUDA-graph-mode metadata as one Triton launch (triton_backend.device_metadata)
+# --------------------------------------------------------------------------------------------
+
+
+def _adversarial_vector(rng: random.Random, n: int, scale: int, dtype: torch.dtype) -> torch.Tensor:
+    """Device-held values are untrusted: negatives, zeros, in-range, huge, non-multiples."""
+    pool = [-(2**40), -7, -1, 0, 0, 1, 3, scale, scale * 2 + 1, 2**31 + 5, 2**40]
+    vals = [rng.choice(pool) if rng.random() < 0.4 else rng.randint(0, 2 * scale) for _ in range(n)]
+    if dtype == torch.int32:
+        vals = [max(min(x, 2**31 - 1), -(2**31)) for x in vals]
+    t = torch.tensor(vals, dtype=dtype)
+    if rng.random() < 0.3:  # a strided view, as (B,1,1,1) or a slice may give
+        t = torch.stack([t, torch.full_like(t, -99)], 1)[:, 0]
+    return t
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_device_metadata_kernel_matches_the_torch_ops(seed):
+    """triton_backend.device_metadata writes exactly what api._device_metadata writes, for any
+    device-held lengths and offsets (clamps included): same 7 x B int32 table."""
+    rng = random.Random(seed)
+    bsz = rng.choice([1, 3, 7, 1100])  # 1100: more than one 1024-wide chunk (carried prefix sums)
+    small = bsz < 50
+    lens_q = [rng.randint(0, 6) for _ in range(bsz)]
+    lens_kv = [rng.randint(0, 12) for _ in range(bsz)]
+    ps = rng.choice([0, 1, 4])
+    offsets = rng.choice(["none", "elements", "tokens"])
+    case = make_case(
+        seed,
+        lens_q=lens_q if small else [1] * bsz,
+        lens_kv=lens_kv if small else [2] * bsz,
+        page_size=ps,
+        offsets=offsets,
+        gaps=offsets != "none" and rng.random() < 0.5,
+        lse_layout=rng.choice(["padded", "packed"]),
+        return_lse=rng.random() < 0.8,
+        dtype=torch.float16,
+        max_q=8,
+        max_kv=14,
+    )
+    batch = api._normalise(**case.kwargs)
+    api._fill_metadata(batch, torch_backend)
+    dt = rng.choice([torch.int32, torch.int64])
+    if rng.random() < 0.7:
+        batch.extras["raw_lens"] = (
+            _adversarial_vector(rng, bsz, 6, dt),
+            _adversarial_vector(rng, bsz, 12, dt),
+        )
+    offs = batch.extras["raw_offsets"]
+    for name in list(offs):
+        if offs[name] is not None and rng.random() < 0.7:
+            offs[name] = _adversarial_vector(rng, bsz + 1, 40 * 64, dt)
+    want = torch.full_like(batch.meta, -5)
+    api._device_metadata(batch, want)
+    batch.meta.fill_(-5)
+    assert tb.device_metadata(batch)
+    assert torch.equal(batch.meta, want), (batch.meta, want)

@@ -771,6 +771,18 @@ def _device_metadata(batch: PrefillBatch, meta: Tensor) -> None:
     meta.copy_(torch.stack([r.clamp(max=INT32_MAX) for r in rows]))
 
 
+def _triton_device_metadata(batch: PrefillBatch) -> bool:
+    """:func:`_device_metadata` as one Triton launch where Triton runs (CUDA graphs replay 1 kernel,
+    not ~25); False when it cannot (the torch ops above then do it)."""
+    if batch.device.type != "cuda":
+        return False
+    try:
+        from pagedprefill.backends import triton_backend
+    except Exception:  # pragma: no cover - triton missing or broken: the torch path serves
+        return False
+    return triton_backend.device_metadata(batch)
+
+
 def _fill_metadata(batch: PrefillBatch, module: ModuleType) -> None:
     """Carve the metadata and the backend's scratch out of the workspace and fill the metadata."""
     ws = batch.extras["workspace"]
@@ -788,7 +800,8 @@ def _fill_metadata(batch: PrefillBatch, module: ModuleType) -> None:
     batch.scratch = ws[mbytes:]
     h = batch.host
     if h is None:
-        _device_metadata(batch, batch.meta)
+        if not _triton_device_metadata(batch):
+            _device_metadata(batch, batch.meta)
     elif bsz:
         rows = (h.lens_q, h.lens_kv, h.q_start, h.o_start, h.k_start, h.v_start, h.lse_start)
         table = torch.frombuffer(array.array("i", itertools.chain(*rows)), dtype=torch.int32).view(

@@ -89,6 +89,12 @@ from torch import Tensor
 
 from pagedprefill.api import PrefillBatch
 
+try:  # optional: the per-call metadata kernel (without it, a handful of torch ops do the same)
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - depends on the environment
+    triton = tl = None
+
 NAME = "cudnn"
 
 MIN_BACKEND_VERSION = 90500  # paged SDPA with ragged Q/O (cuDNN 9.5.0)
@@ -994,6 +1000,134 @@ def _fill_empty_rows(batch: PrefillBatch, plan: _Plan, fx: Tensor) -> None:
         lse[: n_l * hq].view(n_l, hq).masked_fill_(inside[1, :n_l, None], -math.inf)
 
 
+# --------------------------------------------------------------------------------------------
+# Per-call metadata in one Triton launch
+# --------------------------------------------------------------------------------------------
+
+if triton is not None:
+    _PREP_INTS = [
+        "meta_stride", "n_seq", "n_table", "row", "bt_stride", "bt_width", "width", "num_pages",
+        "page_size", "sq0", "so0", "sk0", "sv0", "num_heads", "stride_ot", "stride_oh",
+    ]  # fmt: skip
+
+    @triton.jit(do_not_specialize=_PREP_INTS)
+    def _prepare_kernel(
+        META, meta_stride, n_seq, n_table,
+        INTS, row,
+        BT, bt_stride, bt_width, TABLE, width, num_pages, page_size,
+        sq0, so0, sk0, sv0, num_heads,
+        Out, stride_ot, stride_oh, LSE,
+        PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_LSE: tl.constexpr, FIX: tl.constexpr,
+        BLOCK_W: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    ):  # fmt: skip
+        """Program (b, r), b < ``row``: with r == 0, entry b of metadata rows 0..6 (zeros past the
+        batch) and, b < ``n_table``, row b of our page table; every r: the rows of sequence b that
+        see no key (out 0, lse -inf), rows r, r + R, ... of them. Those rows are exactly the ones
+        cuDNN is told to skip, so this may run before the graph."""
+        b = tl.program_id(0)
+        r = tl.program_id(1)
+        real = b < n_seq
+        lq = tl.load(META + b, mask=real, other=0)
+        lkv = tl.load(META + meta_stride + b, mask=real, other=0)
+        if CAUSAL:
+            eff = tl.minimum(lq, lkv)
+        else:
+            eff = tl.where(lkv > 0, lq, 0)
+        skip = lq - eff
+        e = eff > 0
+        if r == 0:
+            qs = tl.load(META + 2 * meta_stride + b, mask=real, other=0).to(tl.int64)
+            os_ = tl.load(META + 3 * meta_stride + b, mask=real, other=0).to(tl.int64)
+            ls = tl.load(META + 6 * meta_stride + b, mask=real, other=0).to(tl.int64)
+            sk = skip.to(tl.int64)
+            tl.store(INTS + b, eff)
+            tl.store(INTS + row + b, tl.where(e, lkv, 0))
+            tl.store(INTS + 2 * row + b, tl.where(e, (qs + sk) * sq0, 0).to(tl.int32))
+            tl.store(INTS + 3 * row + b, tl.where(e, (os_ + sk) * so0, 0).to(tl.int32))
+            if PAGED:
+                tl.store(INTS + 4 * row + b, 0)
+                tl.store(INTS + 5 * row + b, 0)
+                if b < n_table:
+                    last = tl.where(e, tl.maximum(lkv - 1, 0) // page_size, 0)
+                    last = tl.minimum(last, tl.maximum(bt_width - 1, 0))
+                    base = tl.where(e, b.to(tl.int64) * bt_stride, 0)
+                    for j0 in range(0, width, BLOCK_W):
+                        j = j0 + tl.arange(0, BLOCK_W)
+                        use = (j < width) & (bt_width > 0)
+                        page = tl.load(BT + base + tl.minimum(j, last), mask=use, other=0)
+                        page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
+                        tl.store(TABLE + b * width + j, page, mask=j < width)
+            else:
+                ks = tl.load(META + 4 * meta_stride + b, mask=real, other=0).to(tl.int64)
+                vs = tl.load(META + 5 * meta_stride + b, mask=real, other=0).to(tl.int64)
+                tl.store(INTS + 4 * row + b, tl.where(e, ks * sk0, 0).to(tl.int32))
+                tl.store(INTS + 5 * row + b, tl.where(e, vs * sv0, 0).to(tl.int32))
+            if HAS_LSE:
+                tl.store(INTS + 6 * row + b, tl.where(e, ls + sk * num_heads, 0).to(tl.int32))
+            else:
+                tl.store(INTS + 6 * row + b, 0)
+        if FIX:
+            o_start = tl.load(META + 3 * meta_stride + b, mask=real, other=0)
+            lse_start = tl.load(META + 6 * meta_stride + b, mask=real, other=0)
+            d = tl.arange(0, BLOCK_D)
+            for i in range(r, skip, tl.num_programs(1)):
+                o_row = (o_start + i).to(tl.int64) * stride_ot
+                for h0 in range(0, num_heads, BLOCK_H):
+                    h = h0 + tl.arange(0, BLOCK_H)
+                    ptr = Out + o_row + h[:, None].to(tl.int64) * stride_oh + d[None, :]
+                    zero = tl.zeros([BLOCK_H, BLOCK_D], Out.dtype.element_ty)
+                    tl.store(ptr, zero, mask=(h[:, None] < num_heads) & (d[None, :] < DV))
+                    if HAS_LSE:
+                        off = lse_start.to(tl.int64) + i * num_heads + h  # < lse.numel() <= 2^31 - 1
+                        tl.store(LSE + off, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=h < num_heads)
+
+else:
+    _prepare_kernel = None
+
+_FIX_PROGRAMS = 16  # programs per sequence for the rows without keys
+
+
+def _needs_fix(batch: PrefillBatch) -> bool:
+    """Whether some row sees no key (always assumed with lengths on the device)."""
+    h = batch.host
+    if h is None:
+        return True
+    if batch.causal:
+        return any(a > b for a, b in zip(h.lens_q, h.lens_kv))
+    return any(a and not b for a, b in zip(h.lens_q, h.lens_kv))
+
+
+def _prepare(batch: PrefillBatch, plan: _Plan, views: _Views) -> bool:
+    """cuDNN's metadata rows 0..6, our page table and the rows without keys, from ``batch.meta``
+    (filled by the api) in ONE launch. False (nothing done) when Triton cannot run here."""
+    if _prepare_kernel is None or _DEBUG_NATIVE_EMPTY_ROWS:
+        return False
+    from pagedprefill.backends import triton_backend
+
+    if triton_backend.unavailable_reason(batch.device) is not None:
+        return False
+    spec, lay = plan.spec, plan.layout
+    fix = _needs_fix(batch)
+    dv = spec.head_dim_vo
+    block_d = triton.next_power_of_2(dv)
+    bt = batch.block_tables
+    table = views.table if spec.paged else views.ints
+    out, meta = batch.out, batch.meta
+    grid = (lay.row, min(_FIX_PROGRAMS, max(batch.max_q, 1)) if fix else 1)
+    _prepare_kernel[grid](
+        meta, meta.stride(0), batch.batch_size, spec.batch,
+        views.ints, lay.row,
+        bt if spec.paged else meta, bt.stride(0) if spec.paged else 0, bt.shape[1] if spec.paged else 0,
+        table, spec.table_width, spec.num_pages, max(spec.page_size, 1),
+        spec.q_strides[0], spec.o_strides[0], spec.k_strides[0], spec.v_strides[0], spec.num_qo_heads,
+        out, out.stride(0), out.stride(1), batch.lse if batch.lse is not None else meta,
+        PAGED=spec.paged, CAUSAL=spec.causal, HAS_LSE=spec.lse, FIX=fix, BLOCK_W=1024, DV=dv,
+        BLOCK_D=block_d, BLOCK_H=max(1, min(triton.next_power_of_2(spec.num_qo_heads), 4096 // block_d)),
+        num_warps=4,
+    )  # fmt: skip
+    return True
+
+
 def _operands(plan: _Plan, batch: PrefillBatch, views: _Views) -> dict[str, Any]:
     rows = views.ints
     ops: dict[str, Any] = {
@@ -1056,6 +1190,11 @@ def run(batch: PrefillBatch) -> None:
             f"got {batch.scratch.numel()}"
         )
     views = _views(batch, plan)
+    if _prepare(batch, plan, views):
+        _EXECUTE(plan, batch, views)
+        return
+    # Without Triton: the same metadata by torch ops, and a masked fill of the rows without keys
+    # (a read-modify-write of the whole out / lse) after the graph.
     if batch.host is not None:
         fx = _write_host_metadata(batch, plan, views)
     else:
@@ -1064,9 +1203,4 @@ def run(batch: PrefillBatch) -> None:
         _write_table(batch, plan, views)
     _EXECUTE(plan, batch, views)
     if fx is not None:
-        # Row-exact Triton fix-up when Triton can run (writes only the rows with no visible key);
-        # else the masked fill, a read-modify-write of the whole out / lse.
-        from pagedprefill.backends import triton_backend
-
-        if not triton_backend.write_empty_rows(batch):
-            _fill_empty_rows(batch, plan, fx)
+        _fill_empty_rows(batch, plan, fx)

@@ -756,44 +756,83 @@ if triton is not None:
                 lse_off = lse_start.to(tl.int64) + tok.to(tl.int64) * num_heads_q + heads
                 tl.store(LSE + lse_off, lse2 * 0.6931471805599453, mask=h_ok)
 
-    @triton.jit(do_not_specialize=["meta_stride", "num_heads"])
-    def _empty_rows_kernel(
-        Out,
-        LSE,
-        META,
-        meta_stride,
-        stride_ot,
-        stride_oh,
-        num_heads,
-        DV: tl.constexpr,
-        BLOCK_H: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        CAUSAL: tl.constexpr,
-        HAS_LSE: tl.constexpr,
-    ):
-        """out = 0, lse = -inf on row ``program_id(0)`` of sequence ``program_id(1)`` if that row
-        sees no key (kv_len 0, or causal with the row above the bottom-right diagonal)."""
-        i = tl.program_id(0)
-        b = tl.program_id(1)
-        q_len = tl.load(META + b)
-        kv_len = tl.load(META + meta_stride + b)
-        if CAUSAL:
-            empty = (i < q_len) & (i < q_len - kv_len)
-        else:
-            empty = (i < q_len) & (kv_len == 0)
-        if empty:
-            o_start = tl.load(META + 3 * meta_stride + b)
-            row = (o_start + i).to(tl.int64) * stride_ot
-            d = tl.arange(0, BLOCK_D)
-            for h0 in range(0, num_heads, BLOCK_H):
-                h = h0 + tl.arange(0, BLOCK_H)
-                ptr = Out + row + h[:, None].to(tl.int64) * stride_oh + d[None, :]
-                zero = tl.zeros([BLOCK_H, BLOCK_D], Out.dtype.element_ty)
-                tl.store(ptr, zero, mask=(h[:, None] < num_heads) & (d[None, :] < DV))
-                if HAS_LSE:
-                    lse_start = tl.load(META + 6 * meta_stride + b)
-                    off = lse_start.to(tl.int64) + i.to(tl.int64) * num_heads + h
-                    tl.store(LSE + off, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=h < num_heads)
+    _META_INTS = [
+        "meta_stride", "n_seq", "s_lq", "s_lkv", "s_oq", "s_oo", "s_ok", "s_ov", "s_os", "max_q", "max_kv",
+        "rows_q", "rows_o", "rows_k", "rows_v", "lse_numel", "kv_reach", "unit_q", "unit_o", "unit_k",
+        "unit_v", "unit_s", "num_heads", "lse_b_stride",
+    ]  # fmt: skip
+
+    @triton.jit(do_not_specialize=_META_INTS)
+    def _metadata_kernel(
+        META, meta_stride, n_seq,
+        LQ, LKV, s_lq, s_lkv,
+        OQ, OO, OK, OV, OS, s_oq, s_oo, s_ok, s_ov, s_os,
+        max_q, max_kv, rows_q, rows_o, rows_k, rows_v, lse_numel, kv_reach,
+        unit_q, unit_o, unit_k, unit_v, unit_s, num_heads, lse_b_stride,
+        HAS_OQ: tl.constexpr, HAS_OO: tl.constexpr, HAS_OK: tl.constexpr, HAS_OV: tl.constexpr,
+        PAGED: tl.constexpr, LSE_MODE: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """api._device_metadata in one program: the (7, n_seq) int32 table from untrusted device
+        lengths/offsets, clamped the same way (prefix sums carried across BLOCK-sized chunks).
+        LSE_MODE: 0 none, 1 padded (B, max_q, Hq), 2 packed (offsets OS)."""
+        big = 2147483647
+        carry_q = tl.zeros([], tl.int64)
+        carry_kv = tl.zeros([], tl.int64)
+        for c0 in range(0, n_seq, BLOCK):
+            b = c0 + tl.arange(0, BLOCK)
+            ok = b < n_seq
+            lq = tl.load(LQ + b * s_lq, mask=ok, other=0).to(tl.int64)
+            lq = tl.minimum(tl.maximum(lq, 0), max_q)
+            lkv = tl.load(LKV + b * s_lkv, mask=ok, other=0).to(tl.int64)
+            lkv = tl.minimum(tl.maximum(lkv, 0), max_kv)
+            pre_q = carry_q + tl.cumsum(lq, 0) - lq
+            pre_kv = carry_kv + tl.cumsum(lkv, 0) - lkv
+            carry_q += tl.sum(lq, 0)
+            carry_kv += tl.sum(lkv, 0)
+            if HAS_OQ:
+                qs = tl.load(OQ + b * s_oq, mask=ok, other=0).to(tl.int64) // unit_q
+                qs = tl.minimum(tl.maximum(qs, 0), big)
+            else:
+                qs = pre_q
+            if HAS_OO:
+                os_ = tl.load(OO + b * s_oo, mask=ok, other=0).to(tl.int64) // unit_o
+                os_ = tl.minimum(tl.maximum(os_, 0), big)
+            else:
+                os_ = qs
+            lq = tl.minimum(lq, tl.maximum(rows_q - qs, 0))
+            lq = tl.minimum(lq, tl.maximum(rows_o - os_, 0))
+            if PAGED:
+                ks = tl.zeros_like(lq)
+                vs = ks
+                lkv = tl.minimum(lkv, kv_reach)
+            else:
+                if HAS_OK:
+                    ks = tl.load(OK + b * s_ok, mask=ok, other=0).to(tl.int64) // unit_k
+                    ks = tl.minimum(tl.maximum(ks, 0), big)
+                else:
+                    ks = pre_kv
+                if HAS_OV:
+                    vs = tl.load(OV + b * s_ov, mask=ok, other=0).to(tl.int64) // unit_v
+                    vs = tl.minimum(tl.maximum(vs, 0), big)
+                else:
+                    vs = ks
+                lkv = tl.minimum(lkv, tl.maximum(rows_k - ks, 0))
+                lkv = tl.minimum(lkv, tl.maximum(rows_v - vs, 0))
+            if LSE_MODE == 1:
+                ls = b.to(tl.int64) * lse_b_stride
+            elif LSE_MODE == 2:
+                ls = tl.load(OS + b * s_os, mask=ok, other=0).to(tl.int64) // unit_s
+                ls = tl.minimum(tl.maximum(ls, 0), big) * num_heads
+                lq = tl.minimum(lq, tl.maximum((lse_numel - ls) // num_heads, 0))
+            else:
+                ls = tl.zeros_like(lq)
+            tl.store(META + b, tl.minimum(lq, big).to(tl.int32), mask=ok)
+            tl.store(META + meta_stride + b, tl.minimum(lkv, big).to(tl.int32), mask=ok)
+            tl.store(META + 2 * meta_stride + b, tl.minimum(qs, big).to(tl.int32), mask=ok)
+            tl.store(META + 3 * meta_stride + b, tl.minimum(os_, big).to(tl.int32), mask=ok)
+            tl.store(META + 4 * meta_stride + b, tl.minimum(ks, big).to(tl.int32), mask=ok)
+            tl.store(META + 5 * meta_stride + b, tl.minimum(vs, big).to(tl.int32), mask=ok)
+            tl.store(META + 6 * meta_stride + b, tl.minimum(ls, big).to(tl.int32), mask=ok)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1045,36 +1084,47 @@ def _fallback_config(cfg: Config) -> Config | None:
 _FALLBACKS: dict = {}
 
 
-def write_empty_rows(batch: PrefillBatch) -> bool:
-    """out = 0 and lse = -inf on exactly the rows that see no key, read from ``batch.meta`` on the
-    device (no host sync, nothing else touched). For backends whose kernels skip such rows.
+def device_metadata(batch: PrefillBatch) -> bool:
+    """Fill ``batch.meta`` from the device lengths/offsets exactly as ``api._device_metadata`` does
+    (CUDA-graph mode: no host sync, every value clamped), in ONE launch instead of ~25 torch ops.
     Returns False (nothing done) when the Triton kernels cannot run here."""
     if triton is None or unavailable_reason(batch.device) is not None:
         return False
-    if batch.batch_size == 0 or batch.max_q == 0:
+    if batch.batch_size == 0:
         return True
-    if batch.batch_size > GRID_LIMIT:
-        return False
-    out = batch.out
-    dv = batch.head_dim_vo
-    block_d = _pow2_ceil(dv)
-    block_h = max(1, min(_pow2_ceil(batch.num_qo_heads), 4096 // block_d))
+    ex = batch.extras
+    offs, units = ex["raw_offsets"], ex["units"]
+    lens_q, lens_kv = ex["raw_lens"]
+    hq, hkv, dqk, dvo = batch.num_qo_heads, batch.num_kv_heads, batch.head_dim_qk, batch.head_dim_vo
+    per_token = {"q": hq * dqk, "o": hq * dvo, "k": hkv * dqk, "v": hkv * dvo, "stats": hq}
+    vecs, strides, divs = [], [], []
+    for name in ("q", "o", "k", "v", "stats"):
+        t = offs.get(name)
+        if batch.paged and name in ("k", "v"):
+            t = None
+        vecs.append(t if t is not None else lens_q)
+        strides.append(t.stride(0) if t is not None else 0)
+        divs.append(per_token[name] if units == "elements" else 1)
+    if batch.lse is None:
+        lse_mode = 0
+    else:
+        lse_mode = 2 if batch.lse_packed else 1
     meta = batch.meta
-    _empty_rows_kernel[(batch.max_q, batch.batch_size)](
-        out,
-        batch.lse if batch.lse is not None else meta,
-        meta,
-        meta.stride(0),
-        out.stride(0),
-        out.stride(1),
-        batch.num_qo_heads,
-        DV=dv,
-        BLOCK_H=block_h,
-        BLOCK_D=block_d,
-        CAUSAL=bool(batch.causal),
-        HAS_LSE=batch.lse is not None,
-        num_warps=4,
-    )
+    ctx = torch.cuda.device(batch.device) if batch.device.type == "cuda" else contextlib.nullcontext()
+    with ctx:
+        _metadata_kernel[(1,)](
+            meta, meta.stride(0), batch.batch_size,
+            lens_q, lens_kv, lens_q.stride(0), lens_kv.stride(0),
+            *vecs, *strides,
+            batch.max_q, batch.max_kv, batch.q.shape[0], batch.out.shape[0], batch.k.shape[0],
+            batch.v.shape[0], batch.lse.numel() if batch.lse is not None else 0,
+            batch.block_tables.shape[1] * batch.page_size if batch.paged else 0,
+            *divs, hq, batch.max_q * hq,
+            HAS_OQ=offs.get("q") is not None, HAS_OO=offs.get("o") is not None,
+            HAS_OK=not batch.paged and offs.get("k") is not None,
+            HAS_OV=not batch.paged and offs.get("v") is not None,
+            PAGED=batch.paged, LSE_MODE=lse_mode, BLOCK=1024, num_warps=4,
+        )  # fmt: skip
     return True
 
 
@@ -1083,7 +1133,7 @@ def compile_count() -> int:
     if triton is None or INTERPRETED:
         return 0
     total = 0
-    for kernel in (_prefill_kernel, _merge_kernel, _empty_rows_kernel):
+    for kernel in (_prefill_kernel, _merge_kernel, _metadata_kernel):
         total += sum(len(cache[0]) for cache in kernel.device_caches.values())
     return total
 
