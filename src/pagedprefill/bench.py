@@ -316,8 +316,26 @@ def time_cpu(fn: Callable, reps: int | None) -> tuple[float, int]:
     return statistics.median(times), n
 
 
-def time_cuda_events(fn: Callable, reps: int | None, warmup_ms: float, rep_ms: float) -> tuple[float, int]:
-    """Median ms over CUDA-event-timed runs, the L2 flushed (a 256 MiB memset) before each run."""
+def host_time_ms(fn: Callable, n: int = 20) -> float:
+    """Host (CPU) time of one call in ms: ``n`` calls queued without a sync, perf_counter."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    ms = (time.perf_counter() - t0) / n * 1e3
+    torch.cuda.synchronize()
+    return ms
+
+
+def time_cuda_events(
+    fn: Callable, reps: int | None, warmup_ms: float, rep_ms: float, preload_ms: float = 0.0
+) -> tuple[float, int]:
+    """Median ms over CUDA-event-timed runs, the L2 flushed (a 256 MiB memset) before each run.
+
+    ``preload_ms`` > 0: a sleep kernel of that length is queued after the flush, before the start
+    event, so that the host has queued the call before the GPU reaches it: the events then bracket
+    the call's device work only (its host launch time is measured separately)."""
+    cycles = int(preload_ms * (_SleepCalibration.get() or 0.0))
     flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
     torch.cuda.synchronize()
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -336,6 +354,8 @@ def time_cuda_events(fn: Callable, reps: int | None, warmup_ms: float, rep_ms: f
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     for i in range(n):
         flush.zero_()
+        if cycles:
+            torch.cuda._sleep(cycles)
         starts[i].record()
         fn()
         ends[i].record()
@@ -349,6 +369,10 @@ def time_gpu(
     fn: Callable, args: argparse.Namespace, say: Callable[[str], None]
 ) -> tuple[float, int | None, str]:
     """(median ms, runs or None, timer used)."""
+    if args.timer == "gpu":
+        host_ms = host_time_ms(fn)
+        ms, n = time_cuda_events(fn, args.reps, args.warmup_ms, args.rep_ms, preload_ms=2 * host_ms + 0.1)
+        return ms, n, "cuda-events+l2-flush+preload"
     if args.timer == "do_bench":
         try:
             import triton.testing
@@ -503,6 +527,7 @@ def run_backend(
             err = compare(out, ref["out"], lse_rows(lse, q_lens), ref["lse"])
         res.update(err)
     if device.type == "cuda":
+        res["host_us"] = host_time_ms(fn) * 1e3
         ms, n, timer = time_gpu(fn, args, say)
         timer = f"cuda-graph replay, {timer}" if graph else timer
     else:
@@ -642,7 +667,14 @@ def run_table(args: argparse.Namespace, device: torch.device, env: dict, out_jso
                 if args.cuda_graph
                 else f"eager calls, lengths on the {'device' if args.device_lengths else 'CPU'}"
             )
-            write_markdown(Path(args.markdown), md_headers, md_rows, {**env, "mode": mode}, note, results)
+            write_markdown(
+                Path(args.markdown),
+                md_headers,
+                md_rows,
+                {**env, "mode": mode, "timer": args.timer},
+                note,
+                results,
+            )
             _say(f"== wrote {args.markdown}")
         except Exception as e:
             _say(f"== could not write {args.markdown}: {_short(e)}")
@@ -690,10 +722,13 @@ def summary_table(
     by = {(r["workload"], r["backend"]): r for r in results}
     workloads = list(dict.fromkeys(r["workload"] for r in results))
     has_cudnn = "cudnn" in backends and any(r["backend"] == "cudnn" and r.get("ms") for r in results)
+    has_host = any(r.get("host_us") is not None for r in results)
     headers = ["workload", "GFLOP"]
     for be in backends:
         label = LABELS.get(be, be) if long_labels else be
         headers += [f"{label} ms", f"{label} TFLOP/s" if long_labels else f"{label} TF/s"]
+        if has_host:
+            headers.append(f"{label} host µs")
         if has_cudnn and be != "cudnn":
             headers.append(f"{label} ×cuDNN")
     rows = []
@@ -711,6 +746,8 @@ def summary_table(
                 line += ["error", "–"]
             else:
                 line += [_fmt(ms, 3), _fmt(tf, 1) + mark]
+            if has_host:
+                line.append(_fmt(r.get("host_us"), 0))
             if has_cudnn and be != "cudnn":
                 if ms and base:
                     ratios[be].append(base / ms)
@@ -721,7 +758,7 @@ def summary_table(
     if has_cudnn and len(workloads) > 0:
         line = ["geomean", ""]
         for be in backends:
-            line += ["", ""]
+            line += ["", ""] + ([""] if has_host else [])
             if be != "cudnn":
                 vals = ratios[be]
                 line.append(f"{math.exp(sum(map(math.log, vals)) / len(vals)):.2f}" if vals else "–")
@@ -747,7 +784,7 @@ def write_markdown(
     lines.append(
         f"{env['gpu']}, {env['date']}: torch {env['torch']}, triton {env['triton']}, "
         f"nvidia-cudnn-frontend {env['cudnn']}, cuDNN {env['cudnn_backend']}. Median time per call "
-        + ("(wall clock)" if env["device"] == "cpu" else "(L2 flushed)")
+        + ("(wall clock)" if env["device"] == "cpu" else f"(L2 flushed; timer {env.get('timer', 'events')})")
         + ", TFLOP/s, and speed relative to cuDNN (×cuDNN > 1 is faster)"
         + (f"; {env['mode']}." if env.get("mode") else ".")
     )
@@ -1287,6 +1324,146 @@ def run_serving(args: argparse.Namespace, device: torch.device, env: dict, out_j
 # --------------------------------------------------------------------------------------------
 
 
+# --------------------------------------------------------------------------------------------
+# Overhead mode: the cudnn backend against its own built graph
+# --------------------------------------------------------------------------------------------
+
+
+def back_to_back_ms(fn: Callable, n: int, preload_ms: float) -> float:
+    """ms per call of ``n`` calls queued back to back (the first call's host time hidden behind a
+    sleep kernel; after that, a call whose host time exceeds its device time shows it)."""
+    cycles = int(preload_ms * (_SleepCalibration.get() or 0.0))
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    if cycles:
+        torch.cuda._sleep(cycles)
+    s.record()
+    for _ in range(n):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / n
+
+
+def measure_overhead(fn: Callable, args: argparse.Namespace) -> dict:
+    """host ms per call, back-to-back ms per call, pre-loaded single-call GPU ms (L2 flushed)."""
+    for _ in range(3):
+        fn()
+    host = host_time_ms(fn)
+    b2b = back_to_back_ms(fn, 50, 2 * host + 0.1)
+    gpu, _n = time_cuda_events(fn, args.reps, args.warmup_ms, args.rep_ms, preload_ms=2 * host + 0.1)
+    return {"host_ms": host, "b2b_ms": b2b, "gpu_ms": gpu}
+
+
+def run_overhead(args: argparse.Namespace, device: torch.device, env: dict, out_json: Path) -> int:
+    """For each workload: a call through the cudnn backend (public function, backend="cudnn") against
+    executing the same built cuDNN graph directly with operands bound once (cudnn_backend.bare_graph).
+    Both are measured twice, interleaved; the lower figure of each is kept."""
+    if device.type != "cuda":
+        _say("== --overhead needs a CUDA GPU")
+        return 2
+    from pagedprefill import api
+    from pagedprefill.backends import cudnn_backend as cb
+
+    dtype = DTYPES[args.dtype]
+    mode = "CUDA-graph replays" if args.cuda_graph else "eager calls"
+    lens = "device" if args.device_lengths else "CPU"
+    _say(f"== cudnn call vs its bare graph on {env['gpu']}: {mode}, lengths on {lens}, {args.dtype}")
+    results = []
+    progress = Progress(len(args.workload_names), "overhead")
+    try:
+        for name in args.workload_names:
+            progress.step(name)
+            w = wl.get_workload(name)
+            case = wl.build_case(w, device, dtype, args.seed, lens_on_device=args.device_lengths)
+            row: dict = {"mode": "overhead", "workload": name, "graph_mode": mode, "lengths_on": lens, **env}
+            try:
+                first_call(case, "cudnn", progress.write)
+                public = library_call(case, "cudnn")
+                batch = api._normalise(**case)
+                api._fill_metadata(batch, cb)
+                cb.run(batch)
+                graph = cb.bare_graph(batch)
+                if args.cuda_graph:
+                    public, graph = capture_cuda_graph(public), capture_cuda_graph(graph)
+                got: dict = {"graph": [], "call": []}
+                for _round in range(2):
+                    for label, fn in (("graph", graph), ("call", public)):
+                        got[label].append(measure_overhead(fn, args))
+                for label, runs in got.items():
+                    for key in ("host_ms", "b2b_ms", "gpu_ms"):
+                        row[f"{label}_{key}"] = min(r[key] for r in runs)
+                row["b2b_ratio"] = row["call_b2b_ms"] / row["graph_b2b_ms"]
+                row["gpu_ratio"] = row["call_gpu_ms"] / row["graph_gpu_ms"]
+                row["plan"] = batch.extras["cudnn_plan"].spec.describe()
+            except Skip as e:
+                row["skipped"] = str(e)
+            except Exception as e:
+                row["error"] = _short(e)
+                progress.write(f"  {name}: ERROR {_short(e)}")
+            _append_json(out_json, row)
+            results.append(row)
+            del case
+            gc.collect()
+    except (Interrupted, KeyboardInterrupt):
+        _say("== interrupted: partial results below")
+    finally:
+        progress.close()
+    headers = [
+        "workload",
+        "graph ms",
+        "call ms",
+        "call/graph",
+        "graph gpu ms",
+        "call gpu ms",
+        "call/graph gpu",
+        "graph host µs",
+        "call host µs",
+        "≤ 1.03",
+    ]
+    rows = []
+    for r in results:
+        if "b2b_ratio" not in r:
+            rows.append([r["workload"], *["–"] * 8, r.get("skipped") or "ERROR"])
+            continue
+        ok = max(r["b2b_ratio"], r["gpu_ratio"]) <= 1.03
+        rows.append(
+            [
+                r["workload"],
+                _fmt(r["graph_b2b_ms"], 3),
+                _fmt(r["call_b2b_ms"], 3),
+                f"{r['b2b_ratio']:.3f}",
+                _fmt(r["graph_gpu_ms"], 3),
+                _fmt(r["call_gpu_ms"], 3),
+                f"{r['gpu_ratio']:.3f}",
+                _fmt(r["graph_host_ms"] * 1e3, 0),
+                _fmt(r["call_host_ms"] * 1e3, 0),
+                "yes" if ok else "NO",
+            ]
+        )
+    _say("")
+    _say(
+        f"== {env['gpu']} | cudnn-frontend {env['cudnn']} | cuDNN {env['cudnn_backend']} | {env['date']} | "
+        f"{mode}, lengths on {lens} | ms per call: back to back (50 queued), and one call with the L2 "
+        f"flushed and the GPU queue pre-loaded (gpu) | JSON: {out_json}"
+    )
+    _say(format_text_table(headers, rows))
+    if args.markdown:
+        lines = [
+            f"{env['gpu']}, {env['date']}: cudnn-frontend {env['cudnn']}, cuDNN {env['cudnn_backend']}; "
+            f'{mode}, lengths on {lens}. `call` = the public function with backend="cudnn"; '
+            "`graph` = the same built cuDNN graph executed directly, operands bound once.",
+            "",
+            "| " + " | ".join(headers) + " |",
+            "|" + "|".join("---" for _ in headers) + "|",
+            *("| " + " | ".join(r) + " |" for r in rows),
+        ]
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    bad = [r for r in results if "b2b_ratio" not in r and not r.get("skipped")]
+    return 1 if bad else 0
+
+
 def _csv(s: str | None) -> list[str] | None:
     if s is None:
         return None
@@ -1312,7 +1489,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--rep-ms", type=float, default=100.0, help="GPU timing budget per backend when --reps unset"
     )
     p.add_argument(
-        "--timer", choices=("events", "do_bench"), default="events", help="GPU timer (default events)"
+        "--timer",
+        choices=("gpu", "events", "do_bench"),
+        default="gpu",
+        help="GPU timer: 'gpu' (default) events around one call with the queue pre-loaded, so only the "
+        "call's device work is timed (its host time is the 'host us' column); 'events' the same without "
+        "the pre-load (a call whose host time exceeds the flush's GPU time shows it); 'do_bench' Triton's",
     )
     p.add_argument("--out-json", help="JSON Lines file to append to (default bench/results/<gpu>.json)")
     p.add_argument("--plot", help="write a PNG bar chart of TFLOP/s here (needs matplotlib)")
@@ -1338,6 +1520,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--device-lengths",
         action="store_true",
         help="lengths on the device and is_cuda_graph_compatible=True (default: lengths on the CPU)",
+    )
+    p.add_argument(
+        "--overhead",
+        action="store_true",
+        help="cudnn backend only: time each workload's call against its built cuDNN graph run directly",
     )
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="data type (default bf16)")
     p.add_argument("--seed", type=int, default=0, help="data seed (lengths come from each workload's seed)")
@@ -1402,7 +1589,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out_json:
         out_json = Path(args.out_json)
     else:
-        out_json = Path("bench") / "results" / (f"{slug}-serving.json" if args.serving else f"{slug}.json")
+        suffix = "-serving" if args.serving else ("-overhead" if args.overhead else "")
+        out_json = Path("bench") / "results" / f"{slug}{suffix}.json"
 
     def on_term(signum, frame):
         raise Interrupted()
@@ -1417,6 +1605,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.serving < 1 or args.serving_warmup < 0:
                 p_error("--serving N needs N >= 1 and --serving-warmup >= 0")
             return run_serving(args, device, env, out_json)
+        if args.overhead:
+            return run_overhead(args, device, env, out_json)
         return run_table(args, device, env, out_json)
     finally:
         if old is not None:

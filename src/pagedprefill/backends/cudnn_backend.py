@@ -1177,6 +1177,27 @@ def _execute_cudnn(plan: _Plan, batch: PrefillBatch, views: _Views) -> None:
 _EXECUTE = _execute_cudnn  # replaced by a pure-torch emulation in the CPU tests
 
 
+def bare_graph(batch: PrefillBatch) -> Any:
+    """For benchmarks: a callable that executes ``batch``'s built cuDNN graph with the operands
+    bound once, i.e. what the call costs without any per-call work of this library. ``batch`` must
+    have been run once by :func:`run` (its metadata and page table are then in place)."""
+    plan = batch.extras["cudnn_plan"]
+    views = _views(batch, plan)
+    ops = _operands(plan, batch, views)
+    dev = _device_index(batch.device)
+    handle = _handle(dev)
+    if plan.binding == "tensors":
+        pack, ws = {t: ops[n] for n, t in plan.tensors.items()}, views.workspace
+    else:
+        pack, ws = {t: ops[n].data_ptr() for n, t in plan.tensors.items()}, views.workspace.data_ptr()
+
+    def execute() -> None:
+        _cudnn().set_stream(handle, _current_stream(dev))
+        plan.graph.execute(pack, ws, handle=handle)
+
+    return execute
+
+
 def run(batch: PrefillBatch) -> None:
     if batch.batch_size == 0 or batch.max_q == 0:
         return  # every q_len is 0: nothing is written
