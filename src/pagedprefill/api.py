@@ -16,6 +16,7 @@ import array
 import importlib
 import itertools
 import math
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -207,6 +208,18 @@ def cudnn_batch_prefill_with_kv_cache(
         (out, lse): lse is None unless ``return_lse``. Rows with no visible key get out 0 and
         lse -inf.
     """
+    key = _call_signature(
+        q, k_cache, v_cache, scale, workspace_buffer, max_token_per_sequence, max_sequence_kv,
+        actual_seq_lens_q, actual_seq_lens_kv, block_tables, causal, return_lse,
+        (q_scale, k_scale, v_scale),
+        (batch_offsets_q, batch_offsets_o, batch_offsets_k, batch_offsets_v, batch_offsets_stats),
+        batch_offsets_units, out, lse, is_cuda_graph_compatible, backend, o_data_type,
+    )  # fmt: skip
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is not None:
+        got = plan.run(q, k_cache, v_cache, out, lse)
+        if got is not None:
+            return got
     batch = _normalise(
         q, k_cache, v_cache, scale, workspace_buffer,
         max_token_per_sequence=max_token_per_sequence, max_sequence_kv=max_sequence_kv,
@@ -219,14 +232,163 @@ def cudnn_batch_prefill_with_kv_cache(
         out=out, lse=lse, is_cuda_graph_compatible=is_cuda_graph_compatible, o_data_type=o_data_type,
     )  # fmt: skip
     module = _select_backend(backend, batch)
-    _fill_metadata(batch, module)
+    _carve_workspace(batch, module)
+    staged = _stage_metadata(batch)
+    _write_metadata(batch, staged)
     module.run(batch)
     _LAST.backend = module.NAME
+    if key is not None:
+        _remember_plan(key, _CallPlan.of(batch, module, staged, out is None, lse is None))
     lse_ret = batch.extras["lse_user_view"] if return_lse else None
     return batch.extras["out_user_view"], lse_ret
 
 
 _LAST = threading.local()
+
+
+# --------------------------------------------------------------------------------------------
+# Call cache: a call whose signature matches an earlier one skips normalisation and selection
+# --------------------------------------------------------------------------------------------
+#
+# A serving engine calls the function once per layer with the same lengths, tables and workspace
+# and only new q / K / V / out tensors of the same layout. Everything _normalise checks and
+# _select_backend decides depends only on what _call_signature records: the layouts (shape,
+# strides, dtype, device) of every tensor, the host-side CONTENTS of lengths and offsets given on
+# the host (and device ones read without CUDA graphs, which _host_metadata reads anyway), the
+# identity of device-side inputs whose contents only kernels read (block tables, scale tensors;
+# lengths/offsets in CUDA-graph mode), the workspace's address and size, and every scalar argument.
+# A matching call then costs a metadata copy (from the pinned staging made the first time) and the
+# backend's launches. Calls the signature cannot describe (a block table or a scale tensor on the
+# CPU, scalar-tensor max_* values, anything that is not a tensor where one is expected) are not
+# cached. The cached plan holds no q / K / V / out / lse of the first call.
+
+_PLANS: dict[tuple, _CallPlan] = {}
+_PLANS_MAX = 32  # the cache is cleared when full
+
+
+def _layout(t: object) -> tuple | None:
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _vector_sig(t: object, graph_mode: bool) -> tuple | None:
+    if t is None:
+        return ()
+    if not isinstance(t, Tensor) or t.is_cuda and graph_mode:  # device contents: read by kernels only
+        return (id(t), t.shape, t.stride(), t.dtype, t.device) if isinstance(t, Tensor) else None
+    if t.dim() not in (1, 4) or t.dtype not in LENGTH_DTYPES:
+        return None
+    return (t.dtype, t.device, t.shape, tuple(t.reshape(-1).tolist()))
+
+
+def _call_signature(
+    q, k, v, scale, ws, max_q, max_kv, lens_q, lens_kv, bt, causal, return_lse, scales, offsets, units,
+    out, lse, graph_mode, backend, o_data_type,
+) -> tuple | None:  # fmt: skip
+    """The key of a call in the call cache, or None when the call must take the full path."""
+    if type(max_q) is not int or type(max_kv) is not int or type(scale) not in (float, int):
+        return None
+    if type(causal) is not bool or type(return_lse) is not bool or type(graph_mode) is not bool:
+        return None
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
+        return None
+    if not isinstance(ws, Tensor) or (out is not None and not isinstance(out, Tensor)):
+        return None
+    if lse is not None and not isinstance(lse, Tensor):
+        return None
+    sig_s = []
+    for sc in scales:
+        if isinstance(sc, Tensor):
+            if not sc.is_cuda:
+                return None
+            sig_s.append((id(sc), _layout(sc)))
+        elif sc is None or type(sc) in (float, int):
+            sig_s.append(sc)
+        else:
+            return None
+    if bt is not None:
+        if not isinstance(bt, Tensor) or not bt.is_cuda:
+            return None
+        sig_bt = (id(bt), _layout(bt))
+    else:
+        sig_bt = None
+    vecs = tuple(_vector_sig(t, graph_mode) for t in (lens_q, lens_kv, *offsets))
+    if None in vecs:
+        return None
+    return (
+        _layout(q), _layout(k), _layout(v), _layout(out), _layout(lse) if return_lse else None,
+        id(ws), ws.data_ptr(), ws.numel(), ws.dtype, ws.device, float(scale), max_q, max_kv, causal,
+        return_lse, tuple(sig_s), sig_bt, vecs, units, graph_mode, backend, o_data_type,
+        os.environ.get("PAGEDPREFILL_CUDNN_ENGINES"), os.environ.get("PAGEDPREFILL_TRITON_CONFIG"),
+    )  # fmt: skip
+
+
+def _remember_plan(key: tuple, plan: _CallPlan) -> None:
+    if len(_PLANS) >= _PLANS_MAX:
+        _PLANS.clear()
+    _PLANS[key] = plan
+
+
+def clear_call_cache() -> None:
+    """Forget every cached call plan (tests; after changing backend knobs in-process)."""
+    _PLANS.clear()
+
+
+@dataclass
+class _CallPlan:
+    """What a call resolved once: its normalised batch without the per-call tensors, the backend
+    module, and the staged metadata."""
+
+    template: PrefillBatch  # q / k / v / out / lse are replaced at each run
+    module: ModuleType
+    staged: Tensor | None  # the host path's int32 (7, B) metadata (pinned on CUDA); None: device path
+    out_shape: tuple[int, ...] | None  # allocate out like this when the caller gives none
+    lse_shape: tuple[int, ...] | None  # allocate lse like this when the caller gives none
+    return_lse: bool
+
+    @classmethod
+    def of(cls, batch: PrefillBatch, module: ModuleType, staged: Tensor | None, own_out: bool, own_lse: bool):
+        ex = batch.extras
+        lse_user = ex["lse_user_view"]
+        template = object.__new__(PrefillBatch)
+        template.__dict__.update(batch.__dict__)
+        template.q = template.k = template.v = template.out = template.lse = None
+        template.extras = {k: v for k, v in ex.items() if k not in ("out_user_view", "lse_user_view")}
+        return cls(
+            template,
+            module,
+            staged,
+            tuple(ex["out_user_view"].shape) if own_out else None,
+            tuple(lse_user.shape) if own_lse and lse_user is not None else None,
+            lse_user is not None,
+        )
+
+    def run(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor | None, lse: Tensor | None):
+        """Run on new tensors of the planned layout; None when the backend cannot take these
+        tensors (an address it cannot use): the caller then takes the full path."""
+        t = self.template
+        batch = object.__new__(PrefillBatch)
+        batch.__dict__.update(t.__dict__)
+        dev = q.device
+        if out is None:
+            out = torch.zeros(self.out_shape, dtype=t.out_dtype, device=dev)
+        batch.q, batch.k, batch.v, batch.out = q, k, v, out
+        if self.return_lse:
+            if lse is None:
+                lse = torch.full(self.lse_shape, -math.inf, dtype=torch.float32, device=dev)
+            batch.lse = lse.view(-1)
+        else:
+            lse = None
+        check = getattr(self.module, "address_reason", None)
+        if check is not None and check(batch) is not None:
+            return None
+        if self.staged is not None and dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None  # the full path raises the capture error
+        _write_metadata(batch, self.staged)
+        self.module.run(batch)
+        _LAST.backend = self.module.NAME
+        return out, lse
 
 
 def last_backend() -> str | None:
@@ -785,6 +947,12 @@ def _triton_device_metadata(batch: PrefillBatch) -> bool:
 
 def _fill_metadata(batch: PrefillBatch, module: ModuleType) -> None:
     """Carve the metadata and the backend's scratch out of the workspace and fill the metadata."""
+    _carve_workspace(batch, module)
+    _write_metadata(batch, _stage_metadata(batch))
+
+
+def _carve_workspace(batch: PrefillBatch, module: ModuleType) -> None:
+    """``batch.meta`` and ``batch.scratch`` as views of the workspace (checked large enough)."""
     ws = batch.extras["workspace"]
     mbytes = meta_bytes(batch.batch_size)
     need = mbytes + int(module.workspace_bytes(batch))
@@ -798,24 +966,36 @@ def _fill_metadata(batch: PrefillBatch, module: ModuleType) -> None:
     bsz = batch.batch_size
     batch.meta = ws[: len(META_FIELDS) * bsz * 4].view(torch.int32).view(len(META_FIELDS), bsz)
     batch.scratch = ws[mbytes:]
-    h = batch.host
-    if h is None:
-        if not _triton_device_metadata(batch):
-            _device_metadata(batch, batch.meta)
-    elif bsz:
-        rows = (h.lens_q, h.lens_kv, h.q_start, h.o_start, h.k_start, h.v_start, h.lse_start)
-        table = torch.frombuffer(array.array("i", itertools.chain(*rows)), dtype=torch.int32).view(
-            len(rows), -1
-        )
-        if batch.meta.is_cuda:
-            # Pinned + non_blocking: no stream sync, so the host can queue work ahead. PyTorch's
-            # pinned-memory cache keeps the block alive until the copy has completed.
-            table = table.pin_memory()
-        batch.meta.copy_(table, non_blocking=batch.meta.is_cuda)
     if batch.paged and batch.block_tables.device != batch.device:
         batch.block_tables = batch.block_tables.to(batch.device, non_blocking=False)
     if batch.paged and batch.block_tables.dtype != torch.int32:
+        batch.extras["block_tables_source"] = batch.block_tables
         batch.block_tables = batch.block_tables.to(torch.int32)
+
+
+def _stage_metadata(batch: PrefillBatch) -> Tensor | None:
+    """The host path's (7, B) int32 metadata as a host tensor (pinned on CUDA: the copy to the
+    device is then asynchronous); None on the device path."""
+    h = batch.host
+    if h is None or not batch.batch_size:
+        return None
+    rows = (h.lens_q, h.lens_kv, h.q_start, h.o_start, h.k_start, h.v_start, h.lse_start)
+    table = torch.frombuffer(array.array("i", itertools.chain(*rows)), dtype=torch.int32).view(len(rows), -1)
+    return table.pin_memory() if batch.meta.is_cuda else table
+
+
+def _write_metadata(batch: PrefillBatch, staged: Tensor | None) -> None:
+    """Fill ``batch.meta`` (per call): copy the staged host metadata (never written after staging,
+    so copies still in flight read the right bytes), or compute it on the device (CUDA-graph mode).
+    An int64 block table is converted again (its contents may have changed)."""
+    if batch.host is None:
+        if batch.batch_size and not _triton_device_metadata(batch):
+            _device_metadata(batch, batch.meta)
+    elif staged is not None:
+        batch.meta.copy_(staged, non_blocking=batch.meta.is_cuda)
+    src = batch.extras.get("block_tables_source")
+    if src is not None:
+        batch.block_tables = src.to(torch.int32)
 
 
 # --------------------------------------------------------------------------------------------

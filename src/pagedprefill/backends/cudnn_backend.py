@@ -365,12 +365,21 @@ def _static_reason(batch: PrefillBatch) -> str | None:
     return None
 
 
+def address_reason(batch: PrefillBatch) -> str | None:
+    """Why cuDNN cannot use these tensors' addresses (checked again for every call; the api's call
+    cache re-plans such a call through the full path)."""
+    for name, t in (("q", batch.q), ("k_cache", batch.k), ("v_cache", batch.v), ("out", batch.out)):
+        if t.data_ptr() % 16 and t.numel():
+            return f"cuDNN needs 16-byte aligned tensors; {name} starts at an address that is not"
+    return None
+
+
 def _per_call_reason(batch: PrefillBatch) -> str | None:
     """The part of :func:`static_unsupported_reason` that changes from call to call: addresses and
     row counts (int32 offsets)."""
-    for name, t in (("q", batch.q), ("k_cache", batch.k), ("v_cache", batch.v), ("out", batch.out)):
-        if t.numel() and t.data_ptr() % 16:
-            return f"cuDNN needs 16-byte aligned tensors; {name} starts at an address that is not"
+    reason = address_reason(batch)
+    if reason:
+        return reason
     spans = [("q", batch.q), ("out", batch.out)]
     if not batch.paged:
         spans += [("k_cache", batch.k), ("v_cache", batch.v)]

@@ -1,0 +1,186 @@
+"""The api's call cache: a call whose signature matches an earlier one skips normalisation and
+backend selection. Every result is still checked against the float64 oracle, on fresh data."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from oracle import check, make_case
+
+from pagedprefill import api, cudnn_batch_prefill_with_kv_cache
+
+F16, BF16 = torch.float16, torch.bfloat16
+
+
+@pytest.fixture
+def normalise_calls(monkeypatch):
+    """Count the full-path normalisations (a cache miss normalises; a hit does not)."""
+    api.clear_call_cache()
+    calls = []
+    real = api._normalise
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(api, "_normalise", counted)
+    yield calls
+    api.clear_call_cache()
+
+
+def _same_layout_cases(n, shared, **opts):
+    """``n`` cases of one layout with fresh random data; the tensors named in ``shared`` (lengths,
+    offsets, workspace, block table) are the FIRST case's objects, given the later case's values
+    in place, as a serving engine updates its buffers between steps."""
+    cases = [make_case(100 + i, **opts) for i in range(n)]
+    first = cases[0].kwargs
+    for c in cases[1:]:
+        for name in shared:
+            if name in c.kwargs:
+                if name != "workspace_buffer":
+                    first[name].copy_(c.kwargs[name])
+                c.kwargs[name] = first[name]
+    return cases
+
+
+RAGGED = dict(
+    lens_q=[3, 5, 1],
+    lens_kv=[7, 5, 9],
+    max_q=6,
+    max_kv=12,
+    hq=4,
+    hkv=2,
+    dqk=32,
+    page_size=0,
+    dtype=torch.float32,
+)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_repeated_calls_hit_the_cache_and_stay_correct(normalise_calls, backend):
+    opts = dict(RAGGED, dtype=F16 if backend == "triton" else torch.float32)
+    shared = ("actual_seq_lens_q", "actual_seq_lens_kv", "workspace_buffer")
+    cases = _same_layout_cases(4, shared, **opts)
+    other = make_case(9, **dict(opts, lens_q=[6, 2], lens_kv=[6, 11]))  # same workspace, other plan
+    other.kwargs["workspace_buffer"] = cases[0].kwargs["workspace_buffer"]
+    tol = 2e-3 if backend == "triton" else 2e-5
+    for c in cases:
+        out, lse = cudnn_batch_prefill_with_kv_cache(**c.kwargs, backend=backend)
+        check(c, out, lse, atol=tol)
+        other.kwargs["out"].fill_(float("nan"))
+        other.kwargs["lse"].fill_(float("nan"))
+        out, lse = cudnn_batch_prefill_with_kv_cache(**other.kwargs, backend=backend)
+        check(other, out, lse, atol=tol)
+    assert len(normalise_calls) == 2
+    assert api.last_backend() == backend
+
+
+def test_lengths_changed_in_place_are_seen(normalise_calls):
+    """Host lengths are part of the signature by value: new values re-plan (and stay correct)."""
+    a = make_case(1, **RAGGED)
+    b = make_case(2, **dict(RAGGED, lens_q=[4, 4, 1], lens_kv=[7, 6, 8]))  # same totals: same layout
+    cudnn_batch_prefill_with_kv_cache(**a.kwargs, backend="torch")
+    for name in ("actual_seq_lens_q", "actual_seq_lens_kv"):
+        a.kwargs[name].copy_(b.kwargs[name])
+        b.kwargs[name] = a.kwargs[name]
+    b.kwargs["workspace_buffer"] = a.kwargs["workspace_buffer"]
+    out, lse = cudnn_batch_prefill_with_kv_cache(**b.kwargs, backend="torch")
+    check(b, out, lse, atol=2e-5)
+    assert len(normalise_calls) == 2
+
+
+def test_bad_lengths_after_a_cached_call_still_raise(normalise_calls):
+    a = make_case(3, **RAGGED)
+    cudnn_batch_prefill_with_kv_cache(**a.kwargs, backend="torch")
+    cudnn_batch_prefill_with_kv_cache(**a.kwargs, backend="torch")
+    assert len(normalise_calls) == 1
+    a.kwargs["actual_seq_lens_q"][1] = a.kwargs["max_token_per_sequence"] + 1
+    before = a.kwargs["out"].clone()
+    with pytest.raises(ValueError, match="actual_seq_lens_q"):
+        cudnn_batch_prefill_with_kv_cache(**a.kwargs, backend="torch")
+    assert torch.equal(before.view(torch.int32), a.kwargs["out"].view(torch.int32))
+
+
+def test_other_layouts_and_arguments_miss(normalise_calls):
+    a = make_case(4, **RAGGED)
+    kw = dict(a.kwargs, backend="torch")
+    cudnn_batch_prefill_with_kv_cache(**kw)
+    cudnn_batch_prefill_with_kv_cache(**dict(kw, scale=0.125))
+    cudnn_batch_prefill_with_kv_cache(**dict(kw, causal=not kw["causal"]))
+    cudnn_batch_prefill_with_kv_cache(**dict(kw, return_lse=False, lse=None))
+    cudnn_batch_prefill_with_kv_cache(**dict(kw, out=None))
+    cudnn_batch_prefill_with_kv_cache(
+        **dict(kw, q=kw["q"].clone().transpose(0, 1).contiguous().transpose(0, 1))
+    )
+    assert len(normalise_calls) == 6
+
+
+def test_allocated_outputs_are_new_for_every_call(normalise_calls):
+    a = make_case(5, **dict(RAGGED, with_out=False))
+    out1, lse1 = cudnn_batch_prefill_with_kv_cache(**a.kwargs, backend="torch")
+    out2, lse2 = cudnn_batch_prefill_with_kv_cache(**a.kwargs, backend="torch")
+    assert len(normalise_calls) == 1
+    assert out1.data_ptr() != out2.data_ptr() and lse1.data_ptr() != lse2.data_ptr()
+    check(a, out2, lse2, atol=2e-5)
+
+
+def test_cached_plan_keeps_no_call_tensor_alive(normalise_calls):
+    a = make_case(6, **RAGGED)
+    refs = [weakref.ref(a.kwargs[n]) for n in ("q", "k_cache", "v_cache", "out", "lse")]
+    cudnn_batch_prefill_with_kv_cache(**a.kwargs, backend="torch")
+    assert len(api._PLANS) == 1
+    for n in ("q", "k_cache", "v_cache", "out", "lse"):
+        del a.kwargs[n]
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cudnn", "triton"])
+@pytest.mark.parametrize("graph_mode", [False, True])
+def test_gpu_paged_repeated_calls_with_a_table_updated_in_place(normalise_calls, backend, graph_mode):
+    """The engine pattern: one block table / lengths / workspace, contents rewritten between calls,
+    new q / K / V / out every call. Lengths on the device in CUDA-graph mode."""
+    opts = dict(
+        lens_q=[5, 33, 17],
+        lens_kv=[40, 33, 90],
+        hq=8,
+        hkv=2,
+        dqk=128,
+        page_size=16,
+        dtype=BF16,
+        device="cuda",
+        max_q=64,
+        max_kv=128,
+        lens_on_device=graph_mode,
+    )
+    shared = ("actual_seq_lens_q", "actual_seq_lens_kv", "workspace_buffer", "block_tables")
+    cases = _same_layout_cases(4, shared, **opts)
+    for c in cases:
+        kw = dict(c.kwargs, backend=backend, is_cuda_graph_compatible=graph_mode)
+        out, lse = cudnn_batch_prefill_with_kv_cache(**kw)
+        torch.cuda.synchronize()
+        check(c, out, lse, atol=2e-2, lse_atol=2e-2)
+    assert len(normalise_calls) == 1
+
+
+@pytest.mark.gpu
+def test_gpu_cudnn_misaligned_q_after_a_cached_call_is_refused():
+    """cuDNN needs 16-byte aligned tensors: an address check runs on every cached call."""
+    api.clear_call_cache()
+    opts = dict(lens_q=[5, 3], lens_kv=[9, 4], hq=8, hkv=2, dqk=64, page_size=16, dtype=BF16, device="cuda")
+    a = make_case(7, **opts)
+    cudnn_batch_prefill_with_kv_cache(**a.kwargs, backend="cudnn")
+    q = a.kwargs["q"]
+    flat = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
+    shifted = flat[1:].view(q.shape).copy_(q)
+    before = a.kwargs["out"].clone()
+    with pytest.raises(ValueError, match="16-byte"):
+        cudnn_batch_prefill_with_kv_cache(**dict(a.kwargs, q=shifted), backend="cudnn")
+    assert torch.equal(before.view(torch.int16), a.kwargs["out"].view(torch.int16))
+    out, lse = cudnn_batch_prefill_with_kv_cache(**dict(a.kwargs, q=shifted), backend="auto")
+    assert api.last_backend() != "cudnn"
+    check(a, out, lse, atol=2e-2, lse_atol=2e-2)
