@@ -1358,7 +1358,7 @@ def measure_overhead(fn: Callable, args: argparse.Namespace) -> dict:
 def run_overhead(args: argparse.Namespace, device: torch.device, env: dict, out_json: Path) -> int:
     """For each workload: a call through the cudnn backend (public function, backend="cudnn") against
     executing the same built cuDNN graph directly with operands bound once (cudnn_backend.bare_graph).
-    Both are measured twice, interleaved; the lower figure of each is kept."""
+    Both are measured three times, interleaved (graph, call, call, graph, graph, call); medians."""
     if device.type != "cuda":
         _say("== --overhead needs a CUDA GPU")
         return 2
@@ -1387,12 +1387,13 @@ def run_overhead(args: argparse.Namespace, device: torch.device, env: dict, out_
                 if args.cuda_graph:
                     public, graph = capture_cuda_graph(public), capture_cuda_graph(graph)
                 got: dict = {"graph": [], "call": []}
-                for _round in range(2):
-                    for label, fn in (("graph", graph), ("call", public)):
-                        got[label].append(measure_overhead(fn, args))
+                fns = {"graph": graph, "call": public}
+                for order in (("graph", "call"), ("call", "graph"), ("graph", "call")):  # ABBA-like
+                    for label in order:
+                        got[label].append(measure_overhead(fns[label], args))
                 for label, runs in got.items():
                     for key in ("host_ms", "b2b_ms", "gpu_ms"):
-                        row[f"{label}_{key}"] = min(r[key] for r in runs)
+                        row[f"{label}_{key}"] = statistics.median(r[key] for r in runs)
                 row["b2b_ratio"] = row["call_b2b_ms"] / row["graph_b2b_ms"]
                 row["gpu_ratio"] = row["call_gpu_ms"] / row["graph_gpu_ms"]
                 row["plan"] = batch.extras["cudnn_plan"].spec.describe()
