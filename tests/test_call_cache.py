@@ -163,7 +163,7 @@ def test_gpu_paged_repeated_calls_with_a_table_updated_in_place(normalise_calls,
         kw = dict(c.kwargs, backend=backend, is_cuda_graph_compatible=graph_mode)
         out, lse = cudnn_batch_prefill_with_kv_cache(**kw)
         torch.cuda.synchronize()
-        check(c, out, lse, atol=2e-2, lse_atol=2e-2)
+        check(c, out, lse, atol=3e-2, lse_atol=2e-2)
     assert len(normalise_calls) == 1
 
 
@@ -183,4 +183,4 @@ def test_gpu_cudnn_misaligned_q_after_a_cached_call_is_refused():
     assert torch.equal(before.view(torch.int16), a.kwargs["out"].view(torch.int16))
     out, lse = cudnn_batch_prefill_with_kv_cache(**dict(a.kwargs, q=shifted), backend="auto")
     assert api.last_backend() != "cudnn"
-    check(a, out, lse, atol=2e-2, lse_atol=2e-2)
+    check(a, out, lse, atol=3e-2, lse_atol=2e-2)
