@@ -32,18 +32,23 @@ def normalise_calls(monkeypatch):
 
 
 def _same_layout_cases(n, shared, **opts):
-    """``n`` cases of one layout with fresh random data; the tensors named in ``shared`` (lengths,
-    offsets, workspace, block table) are the FIRST case's objects, given the later case's values
-    in place, as a serving engine updates its buffers between steps."""
+    """``n`` cases of one layout with fresh random data, and ``bind(case)``: the case's kwargs where
+    the tensors named in ``shared`` (lengths, offsets, workspace, block table) are the FIRST case's
+    objects, given this case's values in place just before its call, as a serving engine updates
+    its buffers between steps."""
     cases = [make_case(100 + i, **opts) for i in range(n)]
-    first = cases[0].kwargs
-    for c in cases[1:]:
+    first = dict(cases[0].kwargs)
+
+    def bind(c):
+        kw = dict(c.kwargs)
         for name in shared:
-            if name in c.kwargs:
+            if name in kw:
                 if name != "workspace_buffer":
-                    first[name].copy_(c.kwargs[name])
-                c.kwargs[name] = first[name]
-    return cases
+                    first[name].copy_(kw[name])
+                kw[name] = first[name]
+        return kw
+
+    return cases, bind
 
 
 RAGGED = dict(
@@ -63,12 +68,12 @@ RAGGED = dict(
 def test_repeated_calls_hit_the_cache_and_stay_correct(normalise_calls, backend):
     opts = dict(RAGGED, dtype=F16 if backend == "triton" else torch.float32)
     shared = ("actual_seq_lens_q", "actual_seq_lens_kv", "workspace_buffer")
-    cases = _same_layout_cases(4, shared, **opts)
+    cases, bind = _same_layout_cases(4, shared, **opts)
     other = make_case(9, **dict(opts, lens_q=[6, 2], lens_kv=[6, 11]))  # same workspace, other plan
     other.kwargs["workspace_buffer"] = cases[0].kwargs["workspace_buffer"]
     tol = 2e-3 if backend == "triton" else 2e-5
     for c in cases:
-        out, lse = cudnn_batch_prefill_with_kv_cache(**c.kwargs, backend=backend)
+        out, lse = cudnn_batch_prefill_with_kv_cache(**bind(c), backend=backend)
         check(c, out, lse, atol=tol)
         other.kwargs["out"].fill_(float("nan"))
         other.kwargs["lse"].fill_(float("nan"))
@@ -158,9 +163,9 @@ def test_gpu_paged_repeated_calls_with_a_table_updated_in_place(normalise_calls,
         lens_on_device=graph_mode,
     )
     shared = ("actual_seq_lens_q", "actual_seq_lens_kv", "workspace_buffer", "block_tables")
-    cases = _same_layout_cases(4, shared, **opts)
+    cases, bind = _same_layout_cases(4, shared, **opts)
     for c in cases:
-        kw = dict(c.kwargs, backend=backend, is_cuda_graph_compatible=graph_mode)
+        kw = dict(bind(c), backend=backend, is_cuda_graph_compatible=graph_mode)
         out, lse = cudnn_batch_prefill_with_kv_cache(**kw)
         torch.cuda.synchronize()
         check(c, out, lse, atol=3e-2, lse_atol=2e-2)
