@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import subprocess
@@ -326,8 +327,15 @@ def _emulated_cudnn(plan, batch, views):
             )
 
 
-def _emulated_plan(batch) -> cb._Plan:
+def _emulated_plan(batch, cover: bool = False) -> cb._Plan:
+    """The plan of this batch's own buckets, or (``cover``) of a larger graph that covers it."""
     spec = cb.graph_spec(batch)
+    if cover:
+        big_kv = spec.max_kv * 4
+        width = -(-big_kv // spec.page_size) if spec.paged else 0
+        spec = dataclasses.replace(
+            spec, batch=spec.batch * 4, max_q=spec.max_q * 2, max_kv=big_kv, table_width=width
+        )
     return cb._Plan(spec, None, {}, cb.scratch_layout(spec, 4096), "emulated", 0.0)
 
 
@@ -336,12 +344,12 @@ def emulated(monkeypatch):
     """Route backend='cudnn' on the CPU through run() with the emulated plan. ``device_path``: drop
     the host metadata before the api fills ``batch.meta``, as in CUDA-graph mode (lengths on the
     device), so run() takes its device-ops-only path."""
-    opts = {"device_path": False, "plans": []}
+    opts = {"device_path": False, "plans": [], "cover": False}
 
     def plan_for(batch):
         plan = batch.extras.get("cudnn_plan")
         if plan is None:
-            plan = batch.extras["cudnn_plan"] = _emulated_plan(batch)
+            plan = batch.extras["cudnn_plan"] = _emulated_plan(batch, opts["cover"])
             opts["plans"].append(plan)
             if opts["device_path"]:
                 batch.host = None
@@ -390,6 +398,7 @@ def _random_case(seed, **over):
 @pytest.mark.parametrize("seed", range(40))
 def test_run_pipeline_emulated(emulated, seed, monkeypatch):
     emulated["device_path"] = seed % 2 == 1
+    emulated["cover"] = seed % 8 >= 4  # a larger covering graph serves the call
     if seed % 4 >= 2:  # the torch-ops path (no Triton) instead of the one-launch preparation
         monkeypatch.setattr(cb, "_prepare", lambda batch, plan, views: False)
     case = _random_case(seed)
@@ -1046,3 +1055,32 @@ def test_fp8_refusal_or_result():
     else:
         out, lse = _run(case)
         check(case, out, lse, atol=6e-2, lse_atol=5e-2)
+
+
+def test_covering_plan_is_the_smallest_built_graph_within_the_ratio(monkeypatch):
+    """A spec whose exact bucket was never built runs on a built graph that differs only in batch /
+    max_q / max_kv buckets, each at least the needed one and at most COVER_RATIO times it."""
+    base = _spec(lens_q=[5, 3], lens_kv=[40, 17])
+    rest = (0, 123, "auto")
+
+    def spec(b, q, kv, **kw):
+        return dataclasses.replace(base, batch=b, max_q=q, max_kv=kv, table_width=-(-kv // 16), **kw)
+
+    def plan(sp):
+        return cb._Plan(sp, None, {}, cb.scratch_layout(sp, 0), "fake", 0.0)
+
+    need = spec(2, 64, 64)
+    built = {
+        "too big": spec(16, 64, 64),
+        "covers": spec(8, 256, 256),
+        "smaller cover": spec(4, 64, 256),
+        "too small": spec(1, 64, 64),
+        "other causal": spec(2, 64, 64, causal=not base.causal),
+    }
+    cache = {(sp, *rest): plan(sp) for sp in built.values()}
+    monkeypatch.setattr(cb, "_CACHE", cache)
+    got = cb._covering_plan((need, *rest))
+    assert got is not None and got.spec == built["smaller cover"]
+    assert cb._covering_plan((need, 1, 123, "auto")) is None  # another device
+    monkeypatch.setattr(cb, "COVER_RATIO", 1)
+    assert cb._covering_plan((need, *rest)) is None

@@ -81,7 +81,7 @@ import os
 import struct
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -104,6 +104,7 @@ INT32_MAX = 2**31 - 1
 ALIGN = 256  # bytes; every scratch region starts at this alignment
 LEN_MIN = 64  # smallest length bucket
 LEN_GEOMETRIC_UNTIL = 4096  # lengths bucket by x4 up to here, then by x2
+COVER_RATIO = 4  # a built graph serves calls whose buckets are up to this many times smaller (1: off)
 # "auto": the frontend's own routing (FROST python engines where they lead, else the cuDNN
 # library); "backend": the cuDNN library's engines only. Read at each call, part of the key.
 ENGINE_POLICY_ENV = "PAGEDPREFILL_CUDNN_ENGINES"
@@ -766,6 +767,38 @@ def _refusal(spec: GraphSpec, dev: int, exc: BaseException) -> str:
     )
 
 
+def _covering_plan(key: tuple) -> _Plan | None:
+    """A built plan that can serve ``key``'s spec: identical but for batch / max_q / max_kv buckets
+    that are each at least the needed one and at most ``COVER_RATIO`` times it (extra batch entries
+    get length 0; longer maxima only bound the lengths). The smallest such plan, or None. This is
+    what keeps a serving loop at a handful of builds: a step whose exact bucket was never seen runs
+    on a slightly larger graph instead of paying a ~0.05 s build."""
+    spec = key[0]
+    best, best_cost = None, None
+    for (other, *rest), plan in _CACHE.items():
+        if tuple(rest) != key[1:]:
+            continue
+        fits = all(
+            need <= have <= COVER_RATIO * need
+            for need, have in (
+                (spec.batch, other.batch),
+                (spec.max_q, other.max_q),
+                (spec.max_kv, other.max_kv),
+            )
+        )
+        if not fits:
+            continue
+        same = replace(
+            other, batch=spec.batch, max_q=spec.max_q, max_kv=spec.max_kv, table_width=spec.table_width
+        )
+        if same != spec:
+            continue
+        cost = other.batch * other.max_q * other.max_kv
+        if best_cost is None or cost < best_cost:
+            best, best_cost = plan, cost
+    return best
+
+
 def _plan_for_spec(spec: GraphSpec, dev: int) -> _Plan | str:
     """The built plan for ``spec`` on device ``dev`` (cached), or the reason it cannot be built.
     Never raises for a build refusal; never builds during CUDA stream capture."""
@@ -774,6 +807,9 @@ def _plan_for_spec(spec: GraphSpec, dev: int) -> _Plan | str:
     key = (spec, dev, handle.backend_handle, _engine_policy())
     with _LOCK:
         plan = _CACHE.get(key)
+        if plan is not None:
+            return plan
+        plan = _covering_plan(key)
         if plan is not None:
             return plan
         if key in _FAILED:
