@@ -25,15 +25,15 @@ def test_long_prefills_prefer_cudnn():
     assert auto_policy.order(_batch(paged=False, max_q=4096, max_kv=4096))[0] == "cudnn"
 
 
-def test_small_pages_short_prefills_and_fp8_prefer_triton():
+def test_small_pages_and_fp8_prefer_triton():
     assert auto_policy.order(_batch(page_size=1))[0] == "triton"
-    assert auto_policy.order(_batch(max_q=1024, max_kv=1024))[0] == "triton"
+    assert auto_policy.order(_batch(page_size=8, graph=1))[0] == "triton"
     assert auto_policy.order(_batch(kv_dtype=torch.float8_e4m3fn))[0] == "triton"
 
 
-def test_captured_short_prefills_prefer_cudnn_but_small_pages_stay_on_triton():
-    assert auto_policy.order(_batch(max_q=1024, max_kv=1024, graph=1))[0] == "cudnn"
-    assert auto_policy.order(_batch(page_size=1, max_q=1024, max_kv=1024, graph=1))[0] == "triton"
+def test_short_prefills_prefer_cudnn_eager_and_captured():
+    assert auto_policy.order(_batch(max_q=1024, max_kv=1024))[0] == "cudnn"
+    assert auto_policy.order(_batch(max_q=16, max_kv=16, graph=1))[0] == "cudnn"
 
 
 def test_every_order_ends_with_the_reference():

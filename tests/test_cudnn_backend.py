@@ -1057,9 +1057,9 @@ def test_fp8_refusal_or_result():
         check(case, out, lse, atol=6e-2, lse_atol=5e-2)
 
 
-def test_covering_plan_is_the_smallest_built_graph_within_the_ratio(monkeypatch):
+def test_covering_plan_is_the_smallest_built_graph_within_the_ratios(monkeypatch):
     """A spec whose exact bucket was never built runs on a built graph that differs only in batch /
-    max_q / max_kv buckets, each at least the needed one and at most COVER_RATIO times it."""
+    max_q / max_kv buckets, each at least the needed one and at most COVER_RATIOS times it."""
     base = _spec(lens_q=[5, 3], lens_kv=[40, 17])
     rest = (0, 123, "auto")
 
@@ -1069,12 +1069,14 @@ def test_covering_plan_is_the_smallest_built_graph_within_the_ratio(monkeypatch)
     def plan(sp):
         return cb._Plan(sp, None, {}, cb.scratch_layout(sp, 0), "fake", 0.0)
 
+    monkeypatch.setattr(cb, "COVER_RATIOS", (2, 4, 4))
     need = spec(2, 64, 64)
     built = {
-        "too big": spec(16, 64, 64),
-        "covers": spec(8, 256, 256),
-        "smaller cover": spec(4, 64, 256),
-        "too small": spec(1, 64, 64),
+        "too big": spec(2, 64, 1024),
+        "covers": spec(4, 256, 256),
+        "smaller cover": spec(2, 64, 256),
+        "batch too big": spec(8, 64, 64),
+        "too small": spec(2, 64, 16),
         "other causal": spec(2, 64, 64, causal=not base.causal),
     }
     cache = {(sp, *rest): plan(sp) for sp in built.values()}
@@ -1082,5 +1084,5 @@ def test_covering_plan_is_the_smallest_built_graph_within_the_ratio(monkeypatch)
     got = cb._covering_plan((need, *rest))
     assert got is not None and got.spec == built["smaller cover"]
     assert cb._covering_plan((need, 1, 123, "auto")) is None  # another device
-    monkeypatch.setattr(cb, "COVER_RATIO", 1)
+    monkeypatch.setattr(cb, "COVER_RATIOS", (1, 1, 1))
     assert cb._covering_plan((need, *rest)) is None

@@ -26,8 +26,8 @@ How a :class:`~pagedprefill.api.PrefillBatch` becomes one cuDNN graph
   cuDNN (on cuDNN 9.19 it writes NaN for kv_len 0): the lengths and offsets cuDNN sees start each
   sequence ``skip = q_len - q_len'`` rows later, with ``q_len' = min(q_len, kv_len)`` (causal) or
   ``0`` when ``kv_len == 0``. Bottom-right alignment is unchanged by this shift. The skipped rows are
-  then written here (out 0, lse -inf) by a handful of device ops; with lengths known on the host this
-  runs only when some sequence has such rows.
+  written here (out 0, lse -inf) by the per-call Triton launch; with lengths known on the host only
+  when some sequence has such rows.
 
 Known cuDNN limitation (cannot be fixed here)
 ---------------------------------------------
@@ -37,20 +37,19 @@ output. Those slots must hold finite values (any finite garbage is fine); see ``
 
 Per-call path (host cost matters: a call must cost about what the built graph costs)
 ---------------------------------------------------------------------------------------
-The plan (cuDNN graph, scratch layout, device constants) is found through a cheap tuple key and
-cached on ``batch.extras``, so ``unsupported_reason``, ``workspace_bytes`` and ``run`` resolve it
-once per call. cuDNN's int32 metadata (13 rows, see ``_R_*``) is built
+The api's call cache (``api._call_signature``) lets a call whose layouts, host lengths and device
+inputs match an earlier call skip normalisation and backend selection; :func:`run` then finds its
+plan (cuDNN graph, scratch layout, device constants), scratch views and static operands cached in
+``batch.extras``. A call issues, besides the cuDNN graph, the api's metadata copy (or its one
+metadata kernel in CUDA-graph mode) and ONE Triton launch (:func:`_prepare`) that writes cuDNN's
+int32 metadata rows 0..6 (see ``_R_*``) and our page table from ``batch.meta`` and, where some row
+sees no key, those rows (out 0, lse -inf). Measured on the H200 (``bench/results/h200-overhead.*``):
+~140 us of host time per call, and 0.95-1.02x the bare graph's kernel time.
 
-* lengths on the host: in Python from ``batch.host`` (no torch op per sequence), then ONE pinned
-  host-to-device copy into ``batch.scratch``;
-* lengths on the device (CUDA-graph mode): by 11 fixed device ops from ``batch.meta`` (one integer
-  linear map, see :func:`_coefficients`), no host sync, nothing that depends on the lengths' values;
-  the empty-row fix-up adds 6.
-
-The page table takes 4 more ops (an index grid, one ``index_select`` gather, a clamp), and the
-operands are bound to the built plan as torch tensors (the frontend reads them natively; bare
-addresses cost it ~4 us each). With lengths on the host a call thus issues 5 small device ops besides
-the cuDNN kernels (the api adds its own metadata copy).
+Without Triton the same metadata comes from torch ops: lengths on the host, Python integer
+arithmetic from ``batch.host`` and one pinned host-to-device copy; lengths on the device, 11 fixed
+device ops (one integer linear map, :func:`_coefficients`); the page table takes 4 more (an index
+grid, one ``index_select`` gather, a clamp), and rows without keys a masked fill after the graph.
 
 Graph cache and bucketing
 -------------------------
@@ -64,7 +63,9 @@ through these buckets. The CUDA stream is NOT part of the key: a built plan runs
 ``cudnn.set_stream`` gives its handle at execute time. Buckets: batch rounds up to a power of two;
 lengths to 64 * 4**k up to 4096, then powers of two (see :func:`bucket_len`); the table width follows
 the kv bucket. Padded batch entries (and sequences cuDNN skips) get length 0, offset 0 and the first
-entry of the block table.
+entry of the block table. A call whose exact bucket was never built runs on a built graph whose
+max_q / max_kv buckets are at most 4x larger (:func:`_covering_plan`, ``COVER_RATIOS``) instead of
+waiting ~0.05 s for a build.
 
 CUDA graphs
 -----------
@@ -104,7 +105,11 @@ INT32_MAX = 2**31 - 1
 ALIGN = 256  # bytes; every scratch region starts at this alignment
 LEN_MIN = 64  # smallest length bucket
 LEN_GEOMETRIC_UNTIL = 4096  # lengths bucket by x4 up to here, then by x2
-COVER_RATIO = 4  # a built graph serves calls whose buckets are up to this many times smaller (1: off)
+# A built graph serves a call whose (batch, max_q, max_kv) buckets are up to these many times smaller
+# (1: exact bucket only). Larger batch / max_q buckets launch CTAs that find no rows (measured on the
+# H200 serving loop: covering all three by 4x cut builds from 31 to 7 per 1000 calls but cost +41%
+# kernel time); a larger max_kv only widens the page table.
+COVER_RATIOS = (1, 4, 4)
 # "auto": the frontend's own routing (FROST python engines where they lead, else the cuDNN
 # library); "backend": the cuDNN library's engines only. Read at each call, part of the key.
 ENGINE_POLICY_ENV = "PAGEDPREFILL_CUDNN_ENGINES"
@@ -769,7 +774,7 @@ def _refusal(spec: GraphSpec, dev: int, exc: BaseException) -> str:
 
 def _covering_plan(key: tuple) -> _Plan | None:
     """A built plan that can serve ``key``'s spec: identical but for batch / max_q / max_kv buckets
-    that are each at least the needed one and at most ``COVER_RATIO`` times it (extra batch entries
+    that are each at least the needed one and at most ``COVER_RATIOS`` times it (extra batch entries
     get length 0; longer maxima only bound the lengths). The smallest such plan, or None. This is
     what keeps a serving loop at a handful of builds: a step whose exact bucket was never seen runs
     on a slightly larger graph instead of paying a ~0.05 s build."""
@@ -778,20 +783,11 @@ def _covering_plan(key: tuple) -> _Plan | None:
     for (other, *rest), plan in _CACHE.items():
         if tuple(rest) != key[1:]:
             continue
-        fits = all(
-            need <= have <= COVER_RATIO * need
-            for need, have in (
-                (spec.batch, other.batch),
-                (spec.max_q, other.max_q),
-                (spec.max_kv, other.max_kv),
-            )
-        )
-        if not fits:
+        pairs = ((spec.batch, other.batch), (spec.max_q, other.max_q), (spec.max_kv, other.max_kv))
+        if not all(need <= have <= r * need for (need, have), r in zip(pairs, COVER_RATIOS)):
             continue
-        same = replace(
-            other, batch=spec.batch, max_q=spec.max_q, max_kv=spec.max_kv, table_width=spec.table_width
-        )
-        if same != spec:
+        buckets = dict(batch=spec.batch, max_q=spec.max_q, max_kv=spec.max_kv, table_width=spec.table_width)
+        if replace(other, **buckets) != spec:
             continue
         cost = other.batch * other.max_q * other.max_kv
         if best_cost is None or cost < best_cost:
