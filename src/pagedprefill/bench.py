@@ -1329,6 +1329,9 @@ def run_serving(args: argparse.Namespace, device: torch.device, env: dict, out_j
 # --------------------------------------------------------------------------------------------
 
 
+ROUNDS = 8  # overhead mode: measurement rounds per workload
+
+
 def back_to_back_ms(fn: Callable, n: int, preload_ms: float) -> float:
     """ms per call of ``n`` calls queued back to back (the first call's host time hidden behind a
     sleep kernel; after that, a call whose host time exceeds its device time shows it)."""
@@ -1345,20 +1348,19 @@ def back_to_back_ms(fn: Callable, n: int, preload_ms: float) -> float:
     return s.elapsed_time(e) / n
 
 
-def measure_overhead(fn: Callable, args: argparse.Namespace) -> dict:
-    """host ms per call, back-to-back ms per call, pre-loaded single-call GPU ms (L2 flushed)."""
-    for _ in range(3):
-        fn()
-    host = host_time_ms(fn)
-    b2b = back_to_back_ms(fn, 50, 2 * host + 0.1)
-    gpu, _n = time_cuda_events(fn, args.reps, args.warmup_ms, args.rep_ms, preload_ms=2 * host + 0.1)
-    return {"host_ms": host, "b2b_ms": b2b, "gpu_ms": gpu}
+def measure_overhead(fn: Callable, args: argparse.Namespace, host_ms: float) -> dict:
+    """One round: back-to-back ms per call (20 queued) and the median pre-loaded single-call GPU ms
+    (L2 flushed) of 10 calls."""
+    b2b = back_to_back_ms(fn, 20, 2 * host_ms + 0.1)
+    gpu, _n = time_cuda_events(fn, 10, args.warmup_ms, args.rep_ms, preload_ms=2 * host_ms + 0.1)
+    return {"b2b_ms": b2b, "gpu_ms": gpu}
 
 
 def run_overhead(args: argparse.Namespace, device: torch.device, env: dict, out_json: Path) -> int:
     """For each workload: a call through the cudnn backend (public function, backend="cudnn") against
     executing the same built cuDNN graph directly with operands bound once (cudnn_backend.bare_graph).
-    Both are measured three times, interleaved (graph, call, call, graph, graph, call); medians."""
+    Both (and the graph with one trivial kernel between runs, for scale) are measured in ROUNDS
+    rounds of alternating order; medians."""
     if device.type != "cuda":
         _say("== --overhead needs a CUDA GPU")
         return 2
@@ -1386,21 +1388,26 @@ def run_overhead(args: argparse.Namespace, device: torch.device, env: dict, out_
                 graph = cb.bare_graph(batch)
                 if args.cuda_graph:
                     public, graph = capture_cuda_graph(public), capture_cuda_graph(graph)
-                got: dict = {"graph": [], "call": []}
-                fns = {"graph": graph, "call": public}
-                for order in (("graph", "call"), ("call", "graph"), ("graph", "call")):  # ABBA-like
-                    for label in order:
-                        got[label].append(measure_overhead(fns[label], args))
-                for label, runs in got.items():
-                    for key in ("host_ms", "b2b_ms", "gpu_ms"):
-                        row[f"{label}_{key}"] = statistics.median(r[key] for r in runs)
                 tiny = torch.zeros(1, device=device)
 
                 def graph_and_one_op(graph=graph, tiny=tiny):  # any kernel between two graph runs
                     tiny.fill_(1.0)
                     graph()
 
-                row["graph_op_b2b_ms"] = measure_overhead(graph_and_one_op, args)["b2b_ms"]
+                fns = {"graph": graph, "call": public, "graph_op": graph_and_one_op}
+                host = {}
+                for label, fn in fns.items():
+                    for _ in range(3):
+                        fn()
+                    host[label] = host_time_ms(fn)
+                    row[f"{label}_host_ms"] = host[label]
+                got: dict = {label: [] for label in fns}
+                for r in range(ROUNDS):  # alternate the order: drifting clocks favour neither
+                    for label in fns if r % 2 == 0 else reversed(fns):
+                        got[label].append(measure_overhead(fns[label], args, host[label]))
+                for label, runs in got.items():
+                    for key in ("b2b_ms", "gpu_ms"):
+                        row[f"{label}_{key}"] = statistics.median(r[key] for r in runs)
                 row["b2b_ratio"] = row["call_b2b_ms"] / row["graph_b2b_ms"]
                 row["gpu_ratio"] = row["call_gpu_ms"] / row["graph_gpu_ms"]
                 row["plan"] = batch.extras["cudnn_plan"].spec.describe()
@@ -1454,7 +1461,7 @@ def run_overhead(args: argparse.Namespace, device: torch.device, env: dict, out_
     _say("")
     _say(
         f"== {env['gpu']} | cudnn-frontend {env['cudnn']} | cuDNN {env['cudnn_backend']} | {env['date']} | "
-        f"{mode}, lengths on {lens} | ms per call: back to back (50 queued), and one call with the L2 "
+        f"{mode}, lengths on {lens} | ms per call: back to back (20 queued), and one call with the L2 "
         f"flushed and the GPU queue pre-loaded (gpu) | JSON: {out_json}"
     )
     _say(format_text_table(headers, rows))
