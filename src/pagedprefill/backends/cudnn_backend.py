@@ -1150,35 +1150,53 @@ def _needs_fix(batch: PrefillBatch) -> bool:
     return any(a and not b for a, b in zip(h.lens_q, h.lens_kv))
 
 
+_TRITON_RUNS: dict[torch.device, bool] = {}  # device -> whether the Triton kernels can run there
+
+
 def _prepare(batch: PrefillBatch, plan: _Plan, views: _Views) -> bool:
     """cuDNN's metadata rows 0..6, our page table and the rows without keys, from ``batch.meta``
     (filled by the api) in ONE launch. False (nothing done) when Triton cannot run here."""
     if _prepare_kernel is None or _DEBUG_NATIVE_EMPTY_ROWS:
         return False
-    from pagedprefill.backends import triton_backend
+    runs = _TRITON_RUNS.get(batch.device)
+    if runs is None:
+        from pagedprefill.backends import triton_backend
 
-    if triton_backend.unavailable_reason(batch.device) is not None:
+        runs = _TRITON_RUNS[batch.device] = triton_backend.unavailable_reason(batch.device) is None
+    if not runs:
         return False
-    spec, lay = plan.spec, plan.layout
+    got = batch.extras.get("cudnn_prep")
+    if got is None or got[0] is not plan or got[1] is not views:
+        got = batch.extras["cudnn_prep"] = (plan, views, *_prepare_constants(batch, plan, views))
+    _, _, head, tail, consts = got
     fix = _needs_fix(batch)
-    dv = spec.head_dim_vo
-    block_d = triton.next_power_of_2(dv)
-    bt = batch.block_tables
-    table = views.table if spec.paged else views.ints
     out, meta = batch.out, batch.meta
-    grid = (lay.row, min(_FIX_PROGRAMS, max(batch.max_q, 1)) if fix else 1)
+    bt = batch.block_tables if plan.spec.paged else meta
+    grid = (plan.layout.row, min(_FIX_PROGRAMS, max(batch.max_q, 1)) if fix else 1)
     _prepare_kernel[grid](
-        meta, meta.stride(0), batch.batch_size, spec.batch,
-        views.ints, lay.row,
-        bt if spec.paged else meta, bt.stride(0) if spec.paged else 0, bt.shape[1] if spec.paged else 0,
-        table, spec.table_width, spec.num_pages, max(spec.page_size, 1),
-        spec.q_strides[0], spec.o_strides[0], spec.k_strides[0], spec.v_strides[0], spec.num_qo_heads,
+        meta, meta.stride(0), batch.batch_size, *head,
+        bt, bt.stride(0) if plan.spec.paged else 0, bt.shape[1] if plan.spec.paged else 0, *tail,
         out, out.stride(0), out.stride(1), batch.lse if batch.lse is not None else meta,
-        PAGED=spec.paged, CAUSAL=spec.causal, HAS_LSE=spec.lse, FIX=fix, BLOCK_W=1024, DV=dv,
-        BLOCK_D=block_d, BLOCK_H=max(1, min(triton.next_power_of_2(spec.num_qo_heads), 4096 // block_d)),
-        num_warps=4,
+        FIX=fix, **consts,
     )  # fmt: skip
     return True
+
+
+def _prepare_constants(batch: PrefillBatch, plan: _Plan, views: _Views) -> tuple[tuple, tuple, dict]:
+    """The arguments of :func:`_prepare`'s launch that depend only on the plan and its scratch."""
+    spec = plan.spec
+    block_d = triton.next_power_of_2(spec.head_dim_vo)
+    block_h = max(1, min(triton.next_power_of_2(spec.num_qo_heads), 4096 // block_d))
+    head = (spec.batch, views.ints, plan.layout.row)
+    tail = (
+        views.table if spec.paged else views.ints, spec.table_width, spec.num_pages, max(spec.page_size, 1),
+        spec.q_strides[0], spec.o_strides[0], spec.k_strides[0], spec.v_strides[0], spec.num_qo_heads,
+    )  # fmt: skip
+    consts = dict(
+        PAGED=spec.paged, CAUSAL=spec.causal, HAS_LSE=spec.lse, BLOCK_W=1024, DV=spec.head_dim_vo,
+        BLOCK_D=block_d, BLOCK_H=block_h, num_warps=4,
+    )  # fmt: skip
+    return head, tail, consts
 
 
 def _operands(plan: _Plan, batch: PrefillBatch, views: _Views) -> dict[str, Any]:
