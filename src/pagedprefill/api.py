@@ -234,7 +234,7 @@ def cudnn_batch_prefill_with_kv_cache(
     module = _select_backend(backend, batch)
     _carve_workspace(batch, module)
     staged = _stage_metadata(batch)
-    _write_metadata(batch, staged)
+    _write_metadata(batch, staged, module)
     module.run(batch)
     _LAST.backend = module.NAME
     if key is not None:
@@ -385,7 +385,7 @@ class _CallPlan:
             return None
         if self.staged is not None and dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None  # the full path raises the capture error
-        _write_metadata(batch, self.staged)
+        _write_metadata(batch, self.staged, self.module)
         self.module.run(batch)
         _LAST.backend = self.module.NAME
         return out, lse
@@ -984,15 +984,20 @@ def _stage_metadata(batch: PrefillBatch) -> Tensor | None:
     return table.pin_memory() if batch.meta.is_cuda else table
 
 
-def _write_metadata(batch: PrefillBatch, staged: Tensor | None) -> None:
+def _write_metadata(batch: PrefillBatch, staged: Tensor | None, module: ModuleType | None = None) -> None:
     """Fill ``batch.meta`` (per call): copy the staged host metadata (never written after staging,
     so copies still in flight read the right bytes), or compute it on the device (CUDA-graph mode).
-    An int64 block table is converted again (its contents may have changed)."""
+    A backend with ``READS_STAGED_METADATA`` reads the staged (pinned) copy itself, from its kernel:
+    it gets it as ``batch.extras["meta_staged"]`` and no copy is made. An int64 block table is
+    converted again (its contents may have changed)."""
     if batch.host is None:
         if batch.batch_size and not _triton_device_metadata(batch):
             _device_metadata(batch, batch.meta)
     elif staged is not None:
-        batch.meta.copy_(staged, non_blocking=batch.meta.is_cuda)
+        if getattr(module, "READS_STAGED_METADATA", False):
+            batch.extras["meta_staged"] = staged
+        else:
+            batch.meta.copy_(staged, non_blocking=batch.meta.is_cuda)
     src = batch.extras.get("block_tables_source")
     if src is not None:
         batch.block_tables = src.to(torch.int32)
