@@ -189,3 +189,43 @@ def test_gpu_cudnn_misaligned_q_after_a_cached_call_is_refused():
     out, lse = cudnn_batch_prefill_with_kv_cache(**dict(a.kwargs, q=shifted), backend="auto")
     assert api.last_backend() != "cudnn"
     check(a, out, lse, atol=3e-2, lse_atol=2e-2)
+
+
+def test_unhashable_arguments_still_get_the_named_error(normalise_calls):
+    a = make_case(11, **RAGGED)
+    for kw, name in (
+        (dict(batch_offsets_units=["elements"]), "batch_offsets_units"),
+        (dict(backend=["torch"]), "backend"),
+        (dict(o_data_type=[torch.float32]), "o_data_type"),
+    ):
+        call = dict(a.kwargs, backend="torch")
+        call.update(kw)
+        with pytest.raises(ValueError, match=name):
+            cudnn_batch_prefill_with_kv_cache(**call)
+
+
+def test_arguments_keyed_by_identity_stay_alive_with_their_plan(normalise_calls):
+    """Device-side inputs are keyed by id(): the plan keeps the objects, so no id is recycled for a
+    different tensor while a plan that names it is cached."""
+    a = make_case(12, **RAGGED)
+    refs = [weakref.ref(a.kwargs[n]) for n in ("actual_seq_lens_q", "workspace_buffer")]
+    cudnn_batch_prefill_with_kv_cache(**a.kwargs, backend="torch")
+    a.kwargs.clear()
+    gc.collect()
+    assert all(r() is not None for r in refs)
+    api.clear_call_cache()
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_triton_knob_overrides_invalidate_cached_calls(normalise_calls):
+    from pagedprefill.backends import triton_backend
+
+    a = make_case(13, **dict(RAGGED, dtype=F16))
+    cudnn_batch_prefill_with_kv_cache(**a.kwargs, backend="triton")
+    a.kwargs["out"].fill_(float("nan"))
+    a.kwargs["lse"].fill_(float("nan"))
+    with triton_backend.config_override(num_splits=2):
+        out, lse = cudnn_batch_prefill_with_kv_cache(**a.kwargs, backend="triton")
+    check(a, out, lse, atol=2e-3)
+    assert len(normalise_calls) == 2

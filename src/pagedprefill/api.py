@@ -238,7 +238,17 @@ def cudnn_batch_prefill_with_kv_cache(
     module.run(batch)
     _LAST.backend = module.NAME
     if key is not None:
-        _remember_plan(key, _CallPlan.of(batch, module, staged, out is None, lse is None))
+        keep = (
+            workspace_buffer,
+            actual_seq_lens_q,
+            actual_seq_lens_kv,
+            block_tables,
+            q_scale,
+            k_scale,
+            v_scale,
+        )
+        keep += (batch_offsets_q, batch_offsets_o, batch_offsets_k, batch_offsets_v, batch_offsets_stats)
+        _remember_plan(key, _CallPlan.of(batch, module, staged, out is None, lse is None, keep))
     lse_ret = batch.extras["lse_user_view"] if return_lse else None
     return batch.extras["out_user_view"], lse_ret
 
@@ -272,11 +282,19 @@ def _layout(t: object) -> tuple | None:
     return (t.shape, t.stride(), t.dtype, t.device)
 
 
+def _device_sig(t: Tensor) -> tuple:
+    """A device tensor whose contents only kernels read: its identity (the cached plan keeps the
+    object alive, so the id cannot be recycled), address and layout."""
+    return (id(t), t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+
+
 def _vector_sig(t: object, graph_mode: bool) -> tuple | None:
     if t is None:
         return ()
-    if not isinstance(t, Tensor) or t.is_cuda and graph_mode:  # device contents: read by kernels only
-        return (id(t), t.shape, t.stride(), t.dtype, t.device) if isinstance(t, Tensor) else None
+    if not isinstance(t, Tensor):
+        return None
+    if t.is_cuda and graph_mode:
+        return _device_sig(t)
     if t.dim() not in (1, 4) or t.dtype not in LENGTH_DTYPES:
         return None
     return (t.dtype, t.device, t.shape, tuple(t.reshape(-1).tolist()))
@@ -291,18 +309,25 @@ def _call_signature(
         return None
     if type(causal) is not bool or type(return_lse) is not bool or type(graph_mode) is not bool:
         return None
+    if type(units) is not str or not (backend is None or type(backend) is str):
+        return None
+    if not (o_data_type is None or isinstance(o_data_type, torch.dtype)):
+        return None
     if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
         return None
     if not isinstance(ws, Tensor) or (out is not None and not isinstance(out, Tensor)):
         return None
     if lse is not None and not isinstance(lse, Tensor):
         return None
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    if capturing and not graph_mode:
+        return None  # the full path raises its capture error (and nothing may sync here)
     sig_s = []
     for sc in scales:
         if isinstance(sc, Tensor):
             if not sc.is_cuda:
                 return None
-            sig_s.append((id(sc), _layout(sc)))
+            sig_s.append(_device_sig(sc))
         elif sc is None or type(sc) in (float, int):
             sig_s.append(sc)
         else:
@@ -310,17 +335,21 @@ def _call_signature(
     if bt is not None:
         if not isinstance(bt, Tensor) or not bt.is_cuda:
             return None
-        sig_bt = (id(bt), _layout(bt))
+        sig_bt = _device_sig(bt)
+        offsets = (*offsets[:2], None, None, offsets[4])  # paged: K/V offsets are ignored unchecked
     else:
         sig_bt = None
     vecs = tuple(_vector_sig(t, graph_mode) for t in (lens_q, lens_kv, *offsets))
     if None in vecs:
         return None
+    aligned = tuple(t is not None and t.data_ptr() % 16 == 0 for t in (q, k, v, out))  # cuDNN needs 16
     return (
-        _layout(q), _layout(k), _layout(v), _layout(out), _layout(lse) if return_lse else None,
+        _layout(q), _layout(k), _layout(v), _layout(out), _layout(lse) if return_lse else None, aligned,
         id(ws), ws.data_ptr(), ws.numel(), ws.dtype, ws.device, float(scale), max_q, max_kv, causal,
-        return_lse, tuple(sig_s), sig_bt, vecs, units, graph_mode, backend, o_data_type,
+        return_lse, tuple(sig_s), sig_bt, vecs, units, graph_mode, backend, o_data_type, capturing,
+        threading.get_ident(),  # a cuDNN plan is built for one thread's handle
         os.environ.get("PAGEDPREFILL_CUDNN_ENGINES"), os.environ.get("PAGEDPREFILL_TRITON_CONFIG"),
+        os.environ.get("TRITON_INTERPRET"),
     )  # fmt: skip
 
 
@@ -346,9 +375,13 @@ class _CallPlan:
     out_shape: tuple[int, ...] | None  # allocate out like this when the caller gives none
     lse_shape: tuple[int, ...] | None  # allocate lse like this when the caller gives none
     return_lse: bool
+    keep: tuple  # the call's arguments keyed by id(): alive while the plan is, so ids stay unique
 
     @classmethod
-    def of(cls, batch: PrefillBatch, module: ModuleType, staged: Tensor | None, own_out: bool, own_lse: bool):
+    def of(
+        cls, batch: PrefillBatch, module: ModuleType, staged: Tensor | None, own_out: bool, own_lse: bool,
+        keep: tuple,
+    ) -> _CallPlan:  # fmt: skip
         ex = batch.extras
         lse_user = ex["lse_user_view"]
         template = object.__new__(PrefillBatch)
@@ -362,6 +395,7 @@ class _CallPlan:
             tuple(ex["out_user_view"].shape) if own_out else None,
             tuple(lse_user.shape) if own_lse and lse_user is not None else None,
             lse_user is not None,
+            keep,
         )
 
     def run(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor | None, lse: Tensor | None):

@@ -513,10 +513,13 @@ def clear_graph_cache() -> None:
     """Forget every built graph and every recorded build failure (graphs are rebuilt on demand).
 
     Do not call this while a captured CUDA graph that replays one of these plans is still in use."""
+    from pagedprefill import api
+
     with _LOCK:
         _CACHE.clear()
         _FAILED.clear()
         _FAST.clear()
+    api.clear_call_cache()  # cached calls hold plans
 
 
 def cached_plans() -> list[_Plan]:

@@ -122,13 +122,17 @@ def _env_override() -> dict:
 def config_override(**knobs: int):
     """Force launch knobs (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``, ``num_splits``)
     for the calls inside the block; for tests and tuning."""
+    from pagedprefill import api
+
     saved = dict(_OVERRIDE)
     _OVERRIDE.update(_check_knobs(knobs, "config_override"))
+    api.clear_call_cache()  # cached calls sized their scratch for the old knobs
     try:
         yield
     finally:
         _OVERRIDE.clear()
         _OVERRIDE.update(saved)
+        api.clear_call_cache()
 
 
 def _pow2_floor(x: int) -> int:
