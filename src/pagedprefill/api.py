@@ -8,6 +8,10 @@ of them parses the raw arguments again.
 Where each argument is checked: :func:`_normalise` (shapes, dtypes, devices), :func:`_host_metadata`
 (lengths and offsets known on the host), :func:`_device_metadata` (CUDA-graph mode: lengths on the
 device are clamped, never trusted), :func:`_select_backend` (backend choice and its limits).
+
+A call whose signature (:func:`_call_signature`: every layout, host lengths by value, device inputs
+by identity, every scalar) matches an earlier successful call reuses that call's checked batch and
+backend (:class:`_CallPlan`): a serving engine's per-layer calls skip all of the above.
 """
 
 from __future__ import annotations
