@@ -7,6 +7,7 @@ import math
 import random
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -1086,3 +1087,19 @@ def test_covering_plan_is_the_smallest_built_graph_within_the_ratios(monkeypatch
     assert cb._covering_plan((need, 1, 123, "auto")) is None  # another device
     monkeypatch.setattr(cb, "COVER_RATIOS", (1, 1, 1))
     assert cb._covering_plan((need, *rest)) is None
+
+
+def test_a_plan_built_for_another_threads_handle_is_resolved_again(monkeypatch):
+    """batch.extras may carry a plan from a call cached by a thread that has since ended: a plan
+    keyed by another cuDNN handle is never executed with this thread's handle."""
+    batch = _batch(make_case(0, lens_q=[3], lens_kv=[9], hq=4, hkv=2, dqk=64, page_size=16, dtype=BF16))
+    spec = cb.graph_spec(batch)
+    old = cb._Plan(spec, None, {}, cb.scratch_layout(spec, 0), "fake", 0.0, key=(spec, 0, 111, "auto"))
+    new = cb._Plan(spec, None, {}, cb.scratch_layout(spec, 0), "fake", 0.0, key=(spec, 0, 222, "auto"))
+    monkeypatch.setattr(cb, "_device_index", lambda device: 0)
+    monkeypatch.setattr(cb, "_handle", lambda dev: types.SimpleNamespace(backend_handle=222))
+    monkeypatch.setattr(cb, "_plan_for_spec", lambda spec, dev: new)
+    monkeypatch.setattr(cb, "_FAST", {})
+    batch.extras["cudnn_plan"] = old
+    assert cb._plan_for(batch) is new
+    assert cb._plan_for(batch) is new  # and kept

@@ -855,7 +855,13 @@ def _plan_for(batch: PrefillBatch) -> _Plan | str:
     ``batch.extras``) and through a cheap key across calls."""
     got = batch.extras.get("cudnn_plan")
     if got is not None:
-        return got
+        if not isinstance(got, _Plan) or not got.key:
+            return got
+        dev = _device_index(batch.device)
+        if got.key[1:3] == (dev, _handle(dev).backend_handle):
+            return got
+        # built for another thread's cuDNN handle (the api reused a call plan after its thread
+        # ended and the thread id was recycled): resolve it again for this thread
     dev = _device_index(batch.device)
     fast = (_call_key_of(batch), dev, _handle(dev).backend_handle, _engine_policy())
     got = _FAST.get(fast)
