@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: install, GPU tests, smoke checks, benchmark. Logs go to $OUT.
 # Usage (on the GPU machine, from the repo root): bash scripts/gpu_session.sh [steps...]
-# steps: tests smoke bench serving (default: all). Extra pytest args via PYTEST_ARGS.
+# steps: tests smoke bench graph serving overhead profile (default: tests smoke bench).
+# Extra pytest args via PYTEST_ARGS, bench args via BENCH_ARGS.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -18,7 +19,11 @@ for s in $steps; do
     tests) timeout 420 python3 -m pytest -q -x -m gpu ${PYTEST_ARGS:-} tests 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     smoke) timeout 200 python3 scripts/cudnn_smoke.py 2>&1 | tee "$OUT/smoke.log" | tail -40 ;;
     bench) timeout 500 python3 -m pagedprefill.bench ${BENCH_ARGS:-} --out-json "$OUT/h200.json" --plot "$OUT/h200.png" --markdown "$OUT/table.md" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
-    serving) timeout 300 python3 -m pagedprefill.bench --serving ${SERVING_N:-1000} 2>&1 | tee "$OUT/serving.log" | tail -30 ;;
+    graph) timeout 300 python3 -m pagedprefill.bench --cuda-graph --backends cudnn,triton --out-json "$OUT/h200-graph.json" 2>&1 | tee "$OUT/bench-graph.log" | tail -16 ;;
+    serving) timeout 300 python3 -m pagedprefill.bench --serving ${SERVING_N:-1000} --out-json "$OUT/h200-serving.json" 2>&1 | tee "$OUT/serving.log" | tail -8 ;;
+    overhead) timeout 200 python3 -m pagedprefill.bench --overhead --out-json "$OUT/h200-overhead.json" 2>&1 | tee "$OUT/overhead.log" | tail -12
+              timeout 200 python3 -m pagedprefill.bench --overhead --cuda-graph --out-json "$OUT/h200-overhead.json" 2>&1 | tee "$OUT/overhead-graph.log" | tail -12 ;;
+    profile) timeout 120 python3 scripts/host_profile.py llama8b_b16_q1k cudnn triton 2>&1 | tee "$OUT/profile.log" | grep -A6 "host us" ;;
     *) echo "unknown step $s" ;;
   esac
 done
