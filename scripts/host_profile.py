@@ -9,22 +9,12 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 
 import torch
 
 from pagedprefill import api, cudnn_batch_prefill_with_kv_cache
 from pagedprefill import workloads as wl
-
-
-def per_call_us(fn, n: int = 200) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return us
+from pagedprefill.bench import host_time_ms
 
 
 def profile(name: str, case: dict, be: str) -> None:
@@ -48,7 +38,7 @@ def profile(name: str, case: dict, be: str) -> None:
     }
     print(f"== {name} / {be}: host us per call")
     for label, fn in stages.items():
-        print(f"  {label:16s} {per_call_us(fn):8.1f}")
+        print(f"  {label:16s} {host_time_ms(fn, 200) * 1e3:8.1f}")
     prof = cProfile.Profile()
     torch.cuda.synchronize()
     prof.enable()

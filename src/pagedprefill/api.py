@@ -221,9 +221,7 @@ def cudnn_batch_prefill_with_kv_cache(
     )  # fmt: skip
     plan = _PLANS.get(key) if key is not None else None
     if plan is not None:
-        got = plan.run(q, k_cache, v_cache, out, lse)
-        if got is not None:
-            return got
+        return plan.run(q, k_cache, v_cache, out, lse)
     batch = _normalise(
         q, k_cache, v_cache, scale, workspace_buffer,
         max_token_per_sequence=max_token_per_sequence, max_sequence_kv=max_sequence_kv,
@@ -403,8 +401,8 @@ class _CallPlan:
         )
 
     def run(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor | None, lse: Tensor | None):
-        """Run on new tensors of the planned layout; None when the backend cannot take these
-        tensors (an address it cannot use): the caller then takes the full path."""
+        """Run on new tensors of the planned layout. Everything the full path would check is equal
+        by the signature: layouts, 16-byte alignment (cuDNN's address rule), capture state."""
         t = self.template
         batch = object.__new__(PrefillBatch)
         batch.__dict__.update(t.__dict__)
@@ -418,11 +416,6 @@ class _CallPlan:
             batch.lse = lse.view(-1)
         else:
             lse = None
-        check = getattr(self.module, "address_reason", None)
-        if check is not None and check(batch) is not None:
-            return None
-        if self.staged is not None and dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None  # the full path raises the capture error
         _write_metadata(batch, self.staged, self.module)
         self.module.run(batch)
         _LAST.backend = self.module.NAME
@@ -803,12 +796,25 @@ def _prefix(lens: Sequence[int]) -> list[int]:
     return starts
 
 
+def elements_per_token(batch: PrefillBatch) -> dict[str, int]:
+    """Elements of one token in each offset-addressed tensor: what an offset "in elements" of
+    ``batch_offsets_<name>`` is divided by to give tokens."""
+    hq, hkv = batch.num_qo_heads, batch.num_kv_heads
+    return {
+        "q": hq * batch.head_dim_qk,
+        "o": hq * batch.head_dim_vo,
+        "k": hkv * batch.head_dim_qk,
+        "v": hkv * batch.head_dim_vo,
+        "stats": hq,
+    }
+
+
 def _host_metadata(batch: PrefillBatch) -> HostMetadata:
     """Read lengths/offsets to the host (one sync when they live on the device) and validate."""
     ex = batch.extras
     lens_q_t, lens_kv_t = ex["raw_lens"]
     offs, units = ex["raw_offsets"], ex["units"]
-    bsz, hq, hkv = batch.batch_size, batch.num_qo_heads, batch.num_kv_heads
+    bsz, hq = batch.batch_size, batch.num_qo_heads
     lens_q, lens_kv = lens_q_t.tolist(), lens_kv_t.tolist()
     for name, lens, limit, limit_name in (
         ("actual_seq_lens_q", lens_q, batch.max_q, "max_token_per_sequence"),
@@ -820,13 +826,7 @@ def _host_metadata(batch: PrefillBatch) -> HostMetadata:
             if n > limit:
                 raise _fail(name, f"lengths <= {limit_name} = {limit}", f"{n} at index {b}")
 
-    per_token = {
-        "q": hq * batch.head_dim_qk,
-        "o": hq * batch.head_dim_vo,
-        "k": hkv * batch.head_dim_qk,
-        "v": hkv * batch.head_dim_vo,
-        "stats": hq,
-    }
+    per_token = elements_per_token(batch)
 
     def starts(name: str) -> list[int] | None:
         t = offs.get(name)
@@ -924,17 +924,11 @@ def _device_metadata(batch: PrefillBatch, meta: Tensor) -> None:
     """
     ex = batch.extras
     offs, units = ex["raw_offsets"], ex["units"]
-    hq, hkv = batch.num_qo_heads, batch.num_kv_heads
+    hq = batch.num_qo_heads
     lens_q_raw, lens_kv_raw = (t.to(device=meta.device, dtype=torch.int64) for t in ex["raw_lens"])
     lens_q = lens_q_raw.clamp(0, batch.max_q)
     lens_kv = lens_kv_raw.clamp(0, batch.max_kv)
-    per_token = {
-        "q": hq * batch.head_dim_qk,
-        "o": hq * batch.head_dim_vo,
-        "k": hkv * batch.head_dim_qk,
-        "v": hkv * batch.head_dim_vo,
-        "stats": hq,
-    }
+    per_token = elements_per_token(batch)
 
     def starts(name: str, lens: Tensor) -> Tensor:
         t = offs.get(name)
@@ -1007,8 +1001,7 @@ def _carve_workspace(batch: PrefillBatch, module: ModuleType) -> None:
     if batch.paged and batch.block_tables.device != batch.device:
         batch.block_tables = batch.block_tables.to(batch.device, non_blocking=False)
     if batch.paged and batch.block_tables.dtype != torch.int32:
-        batch.extras["block_tables_source"] = batch.block_tables
-        batch.block_tables = batch.block_tables.to(torch.int32)
+        batch.extras["block_tables_source"] = batch.block_tables  # converted by _write_metadata
 
 
 def _stage_metadata(batch: PrefillBatch) -> Tensor | None:
@@ -1027,7 +1020,7 @@ def _write_metadata(batch: PrefillBatch, staged: Tensor | None, module: ModuleTy
     so copies still in flight read the right bytes), or compute it on the device (CUDA-graph mode).
     A backend with ``READS_STAGED_METADATA`` reads the staged (pinned) copy itself, from its kernel:
     it gets it as ``batch.extras["meta_staged"]`` and no copy is made. An int64 block table is
-    converted again (its contents may have changed)."""
+    converted to int32 here, at every call (its contents may change between calls)."""
     if batch.host is None:
         if batch.batch_size and not _triton_device_metadata(batch):
             _device_metadata(batch, batch.meta)

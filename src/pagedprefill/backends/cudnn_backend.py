@@ -375,8 +375,8 @@ def _static_reason(batch: PrefillBatch) -> str | None:
 
 
 def address_reason(batch: PrefillBatch) -> str | None:
-    """Why cuDNN cannot use these tensors' addresses (checked again for every call; the api's call
-    cache re-plans such a call through the full path)."""
+    """Why cuDNN cannot use these tensors' addresses (the api's call cache keys on the alignment,
+    so a call at other addresses is checked again through the full path)."""
     for name, t in (("q", batch.q), ("k_cache", batch.k), ("v_cache", batch.v), ("out", batch.out)):
         if t.data_ptr() % 16 and t.numel():
             return f"cuDNN needs 16-byte aligned tensors; {name} starts at an address that is not"

@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pagedprefill.api import META_FIELDS, PrefillBatch, meta_bytes
+from pagedprefill.api import META_FIELDS, PrefillBatch, elements_per_token, meta_bytes
 
 NAME = "triton"
 
@@ -1099,8 +1099,8 @@ def device_metadata(batch: PrefillBatch) -> bool:
     ex = batch.extras
     offs, units = ex["raw_offsets"], ex["units"]
     lens_q, lens_kv = ex["raw_lens"]
-    hq, hkv, dqk, dvo = batch.num_qo_heads, batch.num_kv_heads, batch.head_dim_qk, batch.head_dim_vo
-    per_token = {"q": hq * dqk, "o": hq * dvo, "k": hkv * dqk, "v": hkv * dvo, "stats": hq}
+    hq = batch.num_qo_heads
+    per_token = elements_per_token(batch)
     vecs, strides, divs = [], [], []
     for name in ("q", "o", "k", "v", "stats"):
         t = offs.get(name)
