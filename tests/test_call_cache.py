@@ -173,6 +173,31 @@ def test_gpu_paged_repeated_calls_with_a_table_updated_in_place(normalise_calls,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cudnn", "triton"])
+def test_gpu_queued_calls_with_new_host_lengths_each(backend):
+    """More distinct host-length calls than the call cache holds, all queued behind a long GPU
+    sleep: each call's staged (pinned) metadata must still hold its own values when the GPU reaches
+    it, after the call returned and its plan was evicted."""
+    api.clear_call_cache()
+    n = api._PLANS_MAX + 8
+    gen = torch.Generator().manual_seed(5)
+    opts = dict(hq=8, hkv=2, dqk=64, page_size=16, dtype=BF16, device="cuda", max_q=32, max_kv=72)
+    cases = []
+    for i in range(n):
+        lens_q = torch.randint(1, 33, (3,), generator=gen).tolist()
+        lens_kv = [q + int(torch.randint(0, 40, (1,), generator=gen)) for q in lens_q]
+        cases.append(make_case(400 + i, lens_q=lens_q, lens_kv=lens_kv, **opts))
+    cudnn_batch_prefill_with_kv_cache(**cases[0].kwargs, backend=backend)  # build / compile first
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(4e8))  # ~0.2 s: every call below is queued before the GPU runs any
+    results = [cudnn_batch_prefill_with_kv_cache(**c.kwargs, backend=backend) for c in cases]
+    torch.cuda.synchronize()
+    for c, (out, lse) in zip(cases, results):
+        check(c, out, lse, atol=3e-2, lse_atol=2e-2)
+    api.clear_call_cache()
+
+
+@pytest.mark.gpu
 def test_gpu_cudnn_misaligned_q_after_a_cached_call_is_refused():
     """cuDNN needs 16-byte aligned tensors: an address check runs on every cached call."""
     api.clear_call_cache()

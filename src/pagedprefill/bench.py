@@ -1348,12 +1348,17 @@ def back_to_back_ms(fn: Callable, n: int, preload_ms: float) -> float:
     return s.elapsed_time(e) / n
 
 
+B2B_CALLS = 50
+
+
 def measure_overhead(fn: Callable, args: argparse.Namespace, host_ms: float) -> dict:
-    """One round: back-to-back ms per call (20 queued) and the median pre-loaded single-call GPU ms
-    (L2 flushed) of 10 calls."""
-    b2b = back_to_back_ms(fn, 20, 2 * host_ms + 0.1)
+    """One round: back-to-back ms per call of B2B_CALLS calls, with the host queueing them while the
+    GPU runs (b2b) and with all of them queued before the first runs (b2bq: device time only), and
+    the median pre-loaded single-call GPU ms (L2 flushed) of 10 calls."""
+    b2b = back_to_back_ms(fn, B2B_CALLS, 2 * host_ms + 0.1)
+    b2bq = back_to_back_ms(fn, B2B_CALLS, 1.5 * B2B_CALLS * host_ms + 0.2)
     gpu, _n = time_cuda_events(fn, 10, args.warmup_ms, args.rep_ms, preload_ms=2 * host_ms + 0.1)
-    return {"b2b_ms": b2b, "gpu_ms": gpu}
+    return {"b2b_ms": b2b, "b2bq_ms": b2bq, "gpu_ms": gpu}
 
 
 def run_overhead(args: argparse.Namespace, device: torch.device, env: dict, out_json: Path) -> int:
@@ -1406,9 +1411,10 @@ def run_overhead(args: argparse.Namespace, device: torch.device, env: dict, out_
                     for label in fns if r % 2 == 0 else reversed(fns):
                         got[label].append(measure_overhead(fns[label], args, host[label]))
                 for label, runs in got.items():
-                    for key in ("b2b_ms", "gpu_ms"):
+                    for key in ("b2b_ms", "b2bq_ms", "gpu_ms"):
                         row[f"{label}_{key}"] = statistics.median(r[key] for r in runs)
                 row["b2b_ratio"] = row["call_b2b_ms"] / row["graph_b2b_ms"]
+                row["b2bq_ratio"] = row["call_b2bq_ms"] / row["graph_b2bq_ms"]
                 row["gpu_ratio"] = row["call_gpu_ms"] / row["graph_gpu_ms"]
                 row["plan"] = batch.extras["cudnn_plan"].spec.describe()
             except Skip as e:
@@ -1429,6 +1435,7 @@ def run_overhead(args: argparse.Namespace, device: torch.device, env: dict, out_
         "graph ms",
         "call ms",
         "call/graph",
+        "all queued",
         "graph+1 op ms",
         "graph gpu ms",
         "call gpu ms",
@@ -1440,7 +1447,7 @@ def run_overhead(args: argparse.Namespace, device: torch.device, env: dict, out_
     rows = []
     for r in results:
         if "b2b_ratio" not in r:
-            rows.append([r["workload"], *["–"] * 9, r.get("skipped") or "ERROR"])
+            rows.append([r["workload"], *["–"] * 10, r.get("skipped") or "ERROR"])
             continue
         ok = max(r["b2b_ratio"], r["gpu_ratio"]) <= 1.03
         rows.append(
@@ -1449,6 +1456,7 @@ def run_overhead(args: argparse.Namespace, device: torch.device, env: dict, out_
                 _fmt(r["graph_b2b_ms"], 3),
                 _fmt(r["call_b2b_ms"], 3),
                 f"{r['b2b_ratio']:.3f}",
+                f"{r['b2bq_ratio']:.3f}",
                 _fmt(r["graph_op_b2b_ms"], 3),
                 _fmt(r["graph_gpu_ms"], 3),
                 _fmt(r["call_gpu_ms"], 3),
@@ -1461,8 +1469,9 @@ def run_overhead(args: argparse.Namespace, device: torch.device, env: dict, out_
     _say("")
     _say(
         f"== {env['gpu']} | cudnn-frontend {env['cudnn']} | cuDNN {env['cudnn_backend']} | {env['date']} | "
-        f"{mode}, lengths on {lens} | ms per call: back to back (20 queued), and one call with the L2 "
-        f"flushed and the GPU queue pre-loaded (gpu) | JSON: {out_json}"
+        f"{mode}, lengths on {lens} | ms per call: back to back ({B2B_CALLS} calls; all queued: every call "
+        f"queued before the first runs), and one call with the L2 flushed and the GPU queue pre-loaded "
+        f"(gpu) | JSON: {out_json}"
     )
     _say(format_text_table(headers, rows))
     if args.markdown:

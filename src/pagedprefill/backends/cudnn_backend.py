@@ -97,9 +97,6 @@ except Exception:  # pragma: no cover - depends on the environment
     triton = tl = None
 
 NAME = "cudnn"
-# Lengths on the host: the api hands over its staged (pinned) metadata instead of copying it to the
-# device; the preparation kernel reads it from host memory (one op less per call). See _prepare.
-READS_STAGED_METADATA = True
 
 MIN_BACKEND_VERSION = 90500  # paged SDPA with ragged Q/O (cuDNN 9.5.0)
 RAGGED_STATS_VERSION = 90600  # token-major ragged Stats (cuDNN 9.6.0)
@@ -1183,35 +1180,15 @@ def _prepare(batch: PrefillBatch, plan: _Plan, views: _Views) -> bool:
     _, _, head, tail, consts = got
     fix = _needs_fix(batch)
     out, meta = batch.out, batch.meta
-    staged = batch.extras.get("meta_staged") if batch.host is not None else None
-    if staged is not None:
-        if _ZERO_COPY[0]:
-            meta = staged
-        else:
-            meta.copy_(staged, non_blocking=meta.is_cuda)
     bt = batch.block_tables if plan.spec.paged else meta
     grid = (plan.layout.row, min(_FIX_PROGRAMS, max(batch.max_q, 1)) if fix else 1)
-
-    def launch(meta: Tensor) -> None:
-        _prepare_kernel[grid](
-            meta, meta.stride(0), batch.batch_size, *head,
-            bt, bt.stride(0) if plan.spec.paged else 0, bt.shape[1] if plan.spec.paged else 0, *tail,
-            out, out.stride(0), out.stride(1), batch.lse if batch.lse is not None else meta,
-            FIX=fix, **consts,
-        )  # fmt: skip
-
-    try:
-        launch(meta)
-    except ValueError as exc:  # this Triton cannot read host memory: copy, and stop trying
-        if meta is not staged or "cannot be accessed" not in str(exc):
-            raise
-        _ZERO_COPY[0] = False
-        batch.meta.copy_(staged, non_blocking=batch.meta.is_cuda)
-        launch(batch.meta)
+    _prepare_kernel[grid](
+        meta, meta.stride(0), batch.batch_size, *head,
+        bt, bt.stride(0) if plan.spec.paged else 0, bt.shape[1] if plan.spec.paged else 0, *tail,
+        out, out.stride(0), out.stride(1), batch.lse if batch.lse is not None else meta,
+        FIX=fix, **consts,
+    )  # fmt: skip
     return True
-
-
-_ZERO_COPY = [True]  # whether _prepare reads the api's staged (pinned) metadata straight from host memory
 
 
 def _prepare_constants(batch: PrefillBatch, plan: _Plan, views: _Views) -> tuple[tuple, tuple, dict]:
