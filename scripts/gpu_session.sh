@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install, GPU tests, smoke checks, benchmark. Logs go to $OUT.
 # Usage (on the GPU machine, from the repo root): bash scripts/gpu_session.sh [steps...]
-# steps: tests smoke bench graph serving overhead profile (default: tests smoke bench).
+# steps: tests smoke bench graph serving overhead timeline profile (default: tests smoke bench).
 # Extra pytest args via PYTEST_ARGS, bench args via BENCH_ARGS.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -23,6 +23,7 @@ for s in $steps; do
     serving) timeout 300 python3 -m pagedprefill.bench --serving ${SERVING_N:-1000} --out-json "$OUT/h200-serving.json" 2>&1 | tee "$OUT/serving.log" | tail -8 ;;
     overhead) timeout 200 python3 -m pagedprefill.bench --overhead --out-json "$OUT/h200-overhead.json" 2>&1 | tee "$OUT/overhead.log" | tail -12
               timeout 200 python3 -m pagedprefill.bench --overhead --cuda-graph --out-json "$OUT/h200-overhead.json" 2>&1 | tee "$OUT/overhead-graph.log" | tail -12 ;;
+    timeline) timeout 150 python3 scripts/overhead_timeline.py 2>&1 | grep -v -i warn | tee "$OUT/timeline.log" ;;
     profile) timeout 120 python3 scripts/host_profile.py llama8b_b16_q1k cudnn triton 2>&1 | tee "$OUT/profile.log" | grep -A6 "host us" ;;
     *) echo "unknown step $s" ;;
   esac
