@@ -43,8 +43,9 @@ plan (cuDNN graph, scratch layout, device constants), scratch views and static o
 ``batch.extras``. A call issues, besides the cuDNN graph, the api's metadata copy (or its one
 metadata kernel in CUDA-graph mode) and ONE Triton launch (:func:`_prepare`) that writes cuDNN's
 int32 metadata rows 0..6 (see ``_R_*``) and our page table from ``batch.meta`` and, where some row
-sees no key, those rows (out 0, lse -inf). Measured on the H200 (``bench/results/h200-overhead.*``):
-~140 us of host time per call, and 0.95-1.02x the bare graph's kernel time.
+sees no key, those rows (out 0, lse -inf). Measured on the H200 (``bench/results/h200-overhead.*``,
+``docs/cudnn_overhead.md``): 110-280 us of host time per call (the bare graph: 20-50 us) and ~5 us
+of device time per call over the bare graph, about what any one extra kernel costs.
 
 Without Triton the same metadata comes from torch ops: lengths on the host, Python integer
 arithmetic from ``batch.host`` and one pinned host-to-device copy; lengths on the device, 11 fixed
