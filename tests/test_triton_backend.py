@@ -941,3 +941,95 @@ def test_device_metadata_kernel_matches_the_torch_ops(seed):
     batch.meta.fill_(-5)
     assert tb.device_metadata(batch)
     assert torch.equal(batch.meta, want), (batch.meta, want)
+
+
+# --------------------------------------------------------------------------------------------
+# fast_launch: Triton's binding skipped for a launch whose specialisation was seen before
+# --------------------------------------------------------------------------------------------
+
+
+class _FakeParam:
+    def __init__(self, name, default=None):
+        self.name, self.default = name, default
+
+
+class _FakeCompiled:
+    function = object()
+
+    def __init__(self, log):
+        self.log = log
+
+    def __getitem__(self, grid):
+        return lambda *args: self.log.append(("compiled", grid, args))
+
+
+class _FakeKernel:
+    """Records launches; params: two runtime arguments, then constexprs A (passed) and B (default)."""
+
+    pre_run_hooks: list = []
+
+    def __init__(self):
+        self.log = []
+        self.params = [_FakeParam("X"), _FakeParam("n"), _FakeParam("A"), _FakeParam("B", default=7)]
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append(("triton", grid, args, kwargs))
+            return _FakeCompiled(self.log)
+
+        return launch
+
+
+def test_fast_launch_reuses_only_an_identical_specialisation(monkeypatch):
+    """Hits replay the compiled kernel with the constexpr tail in parameter order; any change Triton
+    specialises on (16-byte alignment, dtype, an int becoming 1 or a multiple of 16, width) goes
+    through Triton again, and a kernel with pre-run hooks always does."""
+    monkeypatch.setattr(tb, "INTERPRETED", False)
+    monkeypatch.setattr(tb, "_current_device", lambda: 0)
+    tb._LAUNCHES.clear()
+    k = _FakeKernel()
+    buf = torch.zeros(64, dtype=torch.int8)
+    aligned = buf[16:32] if buf[16:].data_ptr() % 16 == 0 else buf[(-buf.data_ptr()) % 16 :][:16]
+    kw = dict(A=3, num_warps=4)
+
+    tb.fast_launch(k, (2,), (aligned, 5), kw)
+    tb.fast_launch(k, (3, 2), (aligned, 5), kw)
+    assert [e[0] for e in k.log] == ["triton", "compiled"]
+    assert k.log[1][1:] == ((3, 2, 1), (aligned, 5, 3, 7))
+
+    misaligned = buf[aligned.data_ptr() - buf.data_ptr() + 1 :][:16]
+    as_uint8 = aligned.view(torch.uint8)
+    other_specs = [(misaligned, 5), (as_uint8, 5), (aligned, 1), (aligned, 32), (aligned, 2**31)]
+    for args in other_specs:
+        k.log.clear()
+        tb.fast_launch(k, (1,), args, kw)
+        assert [e[0] for e in k.log] == ["triton"], args
+    k.log.clear()
+    tb.fast_launch(k, (1,), (aligned, 6), kw)  # same specialisation as (aligned, 5)
+    tb.fast_launch(k, (1,), (aligned, 5), dict(A=4, num_warps=4))  # another constexpr
+    assert [e[0] for e in k.log] == ["compiled", "triton"]
+
+    monkeypatch.setattr(k, "pre_run_hooks", [lambda *a, **kw: None])
+    k.log.clear()
+    tb.fast_launch(k, (2,), (aligned, 5), kw)
+    assert [e[0] for e in k.log] == ["triton"]
+    tb._LAUNCHES.clear()
+
+
+@pytest.mark.gpu
+def test_gpu_calls_alternating_alignment_stay_correct():
+    """Repeated calls whose q / out move between 16-byte aligned and misaligned addresses: each
+    launch must run the kernel variant compiled for its alignment."""
+    opts = dict(lens_q=[5, 33], lens_kv=[40, 70], hq=8, hkv=2, dqk=128, page_size=16, dtype=torch.float16)
+    for i, shift in enumerate([0, 1, 0, 1, 0]):
+        case = make_case(980 + i, device="cuda", **opts)
+        kw = dict(case.kwargs)
+        if shift:
+            for name in ("q", "out"):
+                t = kw[name]
+                flat = torch.empty(t.numel() + shift, dtype=t.dtype, device="cuda")
+                kw[name] = flat[shift:].view(t.shape).copy_(t)
+        out, lse = pagedprefill.cudnn_batch_prefill_with_kv_cache(**kw, backend="triton")
+        torch.cuda.synchronize()
+        assert out.data_ptr() == kw["out"].data_ptr()
+        check(case, out, lse, atol=5e-3, lse_atol=5e-3)

@@ -1183,12 +1183,14 @@ def _prepare(batch: PrefillBatch, plan: _Plan, views: _Views) -> bool:
     out, meta = batch.out, batch.meta
     bt = batch.block_tables if plan.spec.paged else meta
     grid = (plan.layout.row, min(_FIX_PROGRAMS, max(batch.max_q, 1)) if fix else 1)
-    _prepare_kernel[grid](
+    args = (
         meta, meta.stride(0), batch.batch_size, *head,
         bt, bt.stride(0) if plan.spec.paged else 0, bt.shape[1] if plan.spec.paged else 0, *tail,
         out, out.stride(0), out.stride(1), batch.lse if batch.lse is not None else meta,
-        FIX=fix, **consts,
     )  # fmt: skip
+    from pagedprefill.backends import triton_backend
+
+    triton_backend.fast_launch(_prepare_kernel, grid, args, consts[fix])
     return True
 
 
@@ -1206,7 +1208,7 @@ def _prepare_constants(batch: PrefillBatch, plan: _Plan, views: _Views) -> tuple
         PAGED=spec.paged, CAUSAL=spec.causal, HAS_LSE=spec.lse, BLOCK_W=1024, DV=spec.head_dim_vo,
         BLOCK_D=block_d, BLOCK_H=block_h, num_warps=4,
     )  # fmt: skip
-    return head, tail, consts
+    return head, tail, {fix: dict(consts, FIX=fix) for fix in (False, True)}
 
 
 def _operands(plan: _Plan, batch: PrefillBatch, views: _Views) -> dict[str, Any]:

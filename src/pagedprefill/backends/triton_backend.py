@@ -1132,6 +1132,57 @@ def device_metadata(batch: PrefillBatch) -> bool:
     return True
 
 
+# --------------------------------------------------------------------------------------------
+# Launching without Triton's per-call argument binding
+# --------------------------------------------------------------------------------------------
+
+_LAUNCHES: dict = {}  # (kernel, device, kwargs, specialisation of args) -> (compiled kernel, constexprs)
+_LAUNCHES_MAX = 4096
+
+
+def _spec_of(a: object) -> object:
+    """At least everything Triton specialises a launch argument on (finer is safe: a miss only
+    means one launch through Triton's own path)."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    if type(a) is int:
+        wide = 0 if -(2**31) <= a < 2**31 else 1 if -(2**63) <= a < 2**63 else 2
+        return (a == 1, a % 16 == 0, wide)
+    if a is None or type(a) is bool:
+        return a
+    return type(a)
+
+
+def _current_device() -> int:
+    return triton.runtime.driver.active.get_current_device()
+
+
+def fast_launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
+    """``kernel[grid](*args, **kwargs)`` where ``args`` are the positional (runtime) parameters and
+    ``kwargs`` the constexprs and launch options. A launch whose argument specialisation, kwargs
+    and device match an earlier one calls that compiled kernel directly, which skips Triton's
+    per-call binding (about 30 µs of host time for a kernel with 30 arguments). The compiled
+    kernel's own launcher still calls Triton's launch hooks (profilers); a kernel with pre-run hooks
+    and the interpreter always take Triton's own path."""
+    if INTERPRETED or kernel.pre_run_hooks:
+        kernel[grid](*args, **kwargs)
+        return
+    key = (kernel, _current_device(), tuple(kwargs.items()), tuple(_spec_of(a) for a in args))
+    hit = _LAUNCHES.get(key)
+    if hit is not None:
+        compiled, constexprs = hit
+        grid3 = (*grid, 1, 1)[:3]
+        compiled[grid3](*args, *constexprs)
+        return
+    compiled = kernel[grid](*args, **kwargs)
+    if compiled is None or not hasattr(compiled, "function"):
+        return
+    if len(_LAUNCHES) >= _LAUNCHES_MAX:
+        _LAUNCHES.clear()
+    constexprs = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in kernel.params[len(args) :])
+    _LAUNCHES[key] = (compiled, constexprs)
+
+
 def compile_count() -> int:
     """Kernel variants compiled so far in this process (all devices); 0 under the interpreter."""
     if triton is None or INTERPRETED:
@@ -1154,7 +1205,7 @@ def run(batch: PrefillBatch) -> None:
         while True:
             try:
                 for kernel, grid, args, kwargs in launch_plan(batch, cfg, splits):
-                    kernel[grid](*args, **kwargs)
+                    fast_launch(kernel, grid, args, kwargs)
                 return
             except triton.runtime.errors.OutOfResources:
                 smaller = _fallback_config(cfg)
