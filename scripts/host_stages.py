@@ -7,12 +7,12 @@ Usage: python scripts/host_stages.py [workload] [backend ...]   (default llama8b
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 
 from pagedprefill import api, cudnn_batch_prefill_with_kv_cache
 from pagedprefill import workloads as wl
+from pagedprefill.bench import host_time_ms
 
 N = 300
 
@@ -20,13 +20,7 @@ N = 300
 def us(fn, n: int = N) -> float:
     for _ in range(10):
         fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return t
+    return host_time_ms(fn, n) * 1e3
 
 
 def stages(name: str, case: dict, backend: str) -> None:
