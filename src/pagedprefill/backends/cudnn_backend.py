@@ -1190,7 +1190,12 @@ def _prepare(batch: PrefillBatch, plan: _Plan, views: _Views) -> bool:
     )  # fmt: skip
     from pagedprefill.backends import triton_backend
 
-    triton_backend.fast_launch(_prepare_kernel, grid, args, consts[fix])
+    dev = batch.device.index
+    if dev is None or dev == torch.cuda.current_device():
+        triton_backend.fast_launch(_prepare_kernel, grid, args, consts[fix])
+    else:  # Triton launches on the current device's current stream
+        with torch.cuda.device(dev):
+            triton_backend.fast_launch(_prepare_kernel, grid, args, consts[fix])
     return True
 
 

@@ -1167,7 +1167,8 @@ def fast_launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
     if INTERPRETED or kernel.pre_run_hooks:
         kernel[grid](*args, **kwargs)
         return
-    key = (kernel, _current_device(), tuple(kwargs.items()), tuple(_spec_of(a) for a in args))
+    knobs = (triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode)  # JIT options
+    key = (kernel, _current_device(), knobs, tuple(kwargs.items()), tuple(_spec_of(a) for a in args))
     hit = _LAUNCHES.get(key)
     if hit is not None:
         compiled, constexprs = hit
