@@ -187,14 +187,16 @@ def test_gpu_queued_calls_with_new_host_lengths_each(backend):
         lens_q = torch.randint(1, 33, (3,), generator=gen).tolist()
         lens_kv = [q + int(torch.randint(0, 40, (1,), generator=gen)) for q in lens_q]
         cases.append(make_case(400 + i, lens_q=lens_q, lens_kv=lens_kv, **opts))
-    cudnn_batch_prefill_with_kv_cache(**cases[0].kwargs, backend=backend)  # build / compile first
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(4e8))  # ~0.2 s: every call below is queued before the GPU runs any
-    results = [cudnn_batch_prefill_with_kv_cache(**c.kwargs, backend=backend) for c in cases]
-    torch.cuda.synchronize()
-    for c, (out, lse) in zip(cases, results):
-        check(c, out, lse, atol=3e-2, lse_atol=2e-2)
-    api.clear_call_cache()
+    try:
+        cudnn_batch_prefill_with_kv_cache(**cases[0].kwargs, backend=backend)  # build / compile first
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(4e8))  # ~0.2 s: every call below is queued before the GPU runs any
+        results = [cudnn_batch_prefill_with_kv_cache(**c.kwargs, backend=backend) for c in cases]
+        torch.cuda.synchronize()
+        for c, (out, lse) in zip(cases, results):
+            check(c, out, lse, atol=3e-2, lse_atol=2e-2)
+    finally:
+        api.clear_call_cache()
 
 
 @pytest.mark.gpu

@@ -949,8 +949,8 @@ def test_device_metadata_kernel_matches_the_torch_ops(seed):
 
 
 class _FakeParam:
-    def __init__(self, name, default=None):
-        self.name, self.default = name, default
+    def __init__(self, name, default=None, is_constexpr=True):
+        self.name, self.default, self.is_constexpr = name, default, is_constexpr
 
 
 class _FakeCompiled:
@@ -970,7 +970,8 @@ class _FakeKernel:
 
     def __init__(self):
         self.log = []
-        self.params = [_FakeParam("X"), _FakeParam("n"), _FakeParam("A"), _FakeParam("B", default=7)]
+        runtime = [_FakeParam("X", is_constexpr=False), _FakeParam("n", is_constexpr=False)]
+        self.params = [*runtime, _FakeParam("A"), _FakeParam("B", default=7)]
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
@@ -1009,11 +1010,62 @@ def test_fast_launch_reuses_only_an_identical_specialisation(monkeypatch):
     tb.fast_launch(k, (1,), (aligned, 5), dict(A=4, num_warps=4))  # another constexpr
     assert [e[0] for e in k.log] == ["compiled", "triton"]
 
+    # never cached: arguments it cannot key exactly, float or unhashable options, a runtime
+    # parameter passed by keyword, a callable grid
+    for args, kwargs in [
+        ((aligned, (1, 2)), kw),
+        ((aligned, 5), dict(A=0.5, num_warps=4)),
+        ((aligned, 5), dict(A=3, num_warps=4, extern_libs={"x": "y"})),
+        ((aligned,), dict(n=5, A=3, num_warps=4)),
+    ]:
+        k.log.clear()
+        tb.fast_launch(k, (1,), args, kwargs)
+        tb.fast_launch(k, (1,), args, kwargs)
+        assert [e[0] for e in k.log] == ["triton", "triton"], (args, kwargs)
+    k.log.clear()
+    tb.fast_launch(k, lambda meta: (1,), (aligned, 5), kw)
+    assert [e[0] for e in k.log] == ["triton"]
+
     monkeypatch.setattr(k, "pre_run_hooks", [lambda *a, **kw: None])
     k.log.clear()
     tb.fast_launch(k, (2,), (aligned, 5), kw)
     assert [e[0] for e in k.log] == ["triton"]
     tb._LAUNCHES.clear()
+
+
+def test_fast_launch_key_is_finer_than_tritons():
+    """Against Triton's real binder (sm_90 target, no GPU): over randomly varied runtime arguments of
+    the real attention launch (edge ints, misaligned and re-typed tensors, None), launches with one
+    fast_launch key always have one Triton cache key."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    case = make_case(5, lens_q=[5, 9], lens_kv=[40, 70], hq=8, hkv=2, page_size=16, dtype=torch.float16)
+    (kernel, _grid, args, kwargs), *_ = tb.launch_plan(direct_batch(case))
+    if not isinstance(kernel, JITFunction):
+        kernel = JITFunction(kernel.fn, **kernel.kwargs)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    r = random.Random(0)
+    ints = [0, 1, -1, 2, 15, 16, 17, 32, 2**31 - 16, 2**31, -(2**31), -(2**31) - 1, 2**40, 2**63 - 16, 2**63]
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    base = (-buf.data_ptr()) % 16
+    seen: dict = {}
+    for _ in range(3000):
+        new = []
+        for a in args:
+            if type(a) is int and r.random() < 0.3:
+                a = r.choice(ints)
+            elif isinstance(a, torch.Tensor) and r.random() < 0.3:
+                dt = r.choice([torch.float16, torch.int32, torch.float32])
+                off = base + r.choice([s for s in (0, 16, 2, 4, 8) if s % dt.itemsize == 0])
+                a = buf[off : off + 256].view(dt)
+            new.append(a)
+        ours = (tb._kwargs_key(kwargs), tuple(tb._spec_of(a) for a in new))
+        _bound, spec, options = binder(*new, **kwargs)
+        theirs = compute_cache_key({}, spec, options)
+        assert seen.setdefault(ours, theirs) == theirs
 
 
 @pytest.mark.gpu

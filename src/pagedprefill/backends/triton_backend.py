@@ -55,6 +55,7 @@ except Exception as exc:  # pragma: no cover - depends on the environment
 
 # Whether the kernels below were built for the interpreter (decided once, at import).
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_TRITON_MINOR = tuple(triton.__version__.split(".")[:2]) if triton is not None else None
 
 MAX_HEAD_DIM = 256
 GRID_LIMIT = 65535  # CUDA limit of grid dims y and z
@@ -1136,21 +1137,48 @@ def device_metadata(batch: PrefillBatch) -> bool:
 # Launching without Triton's per-call argument binding
 # --------------------------------------------------------------------------------------------
 
-_LAUNCHES: dict = {}  # (kernel, device, kwargs, specialisation of args) -> (compiled kernel, constexprs)
+_LAUNCHES: dict = {}  # (kernel, device, knobs, kwargs, specialisation of args) -> (compiled, constexprs)
 _LAUNCHES_MAX = 4096
+# the Triton internals relied on (CompiledKernel[grid](*all params), KernelParam, knobs) as checked
+_FAST_LAUNCH_TRITON = ("3", "6")
+
+
+class _Uncacheable(Exception):
+    """An argument fast_launch cannot key exactly: that launch goes through Triton's own path."""
 
 
 def _spec_of(a: object) -> object:
-    """At least everything Triton specialises a launch argument on (finer is safe: a miss only
-    means one launch through Triton's own path)."""
+    """At least everything Triton specialises a runtime argument on (finer is safe: a miss only
+    means one launch through Triton's own path). Only tensors, ints, floats, bools and None."""
+    t = type(a)
+    if t is int:
+        if -(2**31) <= a < 2**31:
+            wide = 0
+        elif -(2**63) <= a < 2**63:
+            wide = 1
+        elif 0 <= a < 2**64:
+            wide = 2
+        else:
+            raise _Uncacheable  # Triton refuses it: let it say so
+        return (a == 1, a % 16 == 0, wide)
     if isinstance(a, torch.Tensor):
         return (a.dtype, a.data_ptr() % 16 == 0)
-    if type(a) is int:
-        wide = 0 if -(2**31) <= a < 2**31 else 1 if -(2**63) <= a < 2**63 else 2
-        return (a == 1, a % 16 == 0, wide)
-    if a is None or type(a) is bool:
+    if a is None or t is bool:
         return a
-    return type(a)
+    if t is float:
+        return float
+    raise _Uncacheable  # tuples, constexprs, descriptors, tensor-likes, ...
+
+
+def _kwargs_key(kwargs: dict) -> tuple:
+    """Constexprs and options by type and value (True, 1 and 1.0 compile apart); floats are not
+    keyed (0.0 == -0.0, NaN != NaN)."""
+    out = []
+    for k, v in kwargs.items():
+        if type(v) is float:
+            raise _Uncacheable
+        out.append((k, type(v), v))
+    return tuple(out)
 
 
 def _current_device() -> int:
@@ -1162,26 +1190,29 @@ def fast_launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
     ``kwargs`` the constexprs and launch options. A launch whose argument specialisation, kwargs
     and device match an earlier one calls that compiled kernel directly, which skips Triton's
     per-call binding (about 30 µs of host time for a kernel with 30 arguments). The compiled
-    kernel's own launcher still calls Triton's launch hooks (profilers); a kernel with pre-run hooks
-    and the interpreter always take Triton's own path."""
-    if INTERPRETED or kernel.pre_run_hooks:
+    kernel's own launcher still calls Triton's launch hooks (profilers); a kernel with pre-run hooks,
+    a callable grid, another Triton version and the interpreter always take Triton's own path."""
+    if INTERPRETED or kernel.pre_run_hooks or callable(grid) or _TRITON_MINOR != _FAST_LAUNCH_TRITON:
         kernel[grid](*args, **kwargs)
         return
-    knobs = (triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode)  # JIT options
-    key = (kernel, _current_device(), knobs, tuple(kwargs.items()), tuple(_spec_of(a) for a in args))
-    hit = _LAUNCHES.get(key)
+    try:
+        jit_knobs = (triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode)
+        key = (kernel, _current_device(), jit_knobs, _kwargs_key(kwargs), tuple(_spec_of(a) for a in args))
+        hit = _LAUNCHES.get(key)
+    except (_Uncacheable, TypeError):  # TypeError: an unhashable option
+        kernel[grid](*args, **kwargs)
+        return
     if hit is not None:
         compiled, constexprs = hit
-        grid3 = (*grid, 1, 1)[:3]
-        compiled[grid3](*args, *constexprs)
+        compiled[(*grid, 1, 1)[:3]](*args, *constexprs)
         return
     compiled = kernel[grid](*args, **kwargs)
-    if compiled is None or not hasattr(compiled, "function"):
+    rest = kernel.params[len(args) :]
+    if compiled is None or not hasattr(compiled, "function") or not all(p.is_constexpr for p in rest):
         return
     if len(_LAUNCHES) >= _LAUNCHES_MAX:
         _LAUNCHES.clear()
-    constexprs = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in kernel.params[len(args) :])
-    _LAUNCHES[key] = (compiled, constexprs)
+    _LAUNCHES[key] = (compiled, tuple(kwargs[p.name] if p.name in kwargs else p.default for p in rest))
 
 
 def compile_count() -> int:
