@@ -1376,6 +1376,8 @@ def run_overhead(args: argparse.Namespace, device: torch.device, env: dict, out_
     mode = "CUDA-graph replays" if args.cuda_graph else "eager calls"
     lens = "device" if args.device_lengths else "CPU"
     _say(f"== cudnn call vs its bare graph on {env['gpu']}: {mode}, lengths on {lens}, {args.dtype}")
+    if not _SleepCalibration.get():
+        _say("   (the sleep kernel could not be calibrated: 'all queued' is then the same as back to back)")
     results = []
     progress = Progress(len(args.workload_names), "overhead")
     try:

@@ -78,6 +78,7 @@ with the same shapes before capturing. Capture then records only device ops whos
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import struct
@@ -1191,11 +1192,9 @@ def _prepare(batch: PrefillBatch, plan: _Plan, views: _Views) -> bool:
     from pagedprefill.backends import triton_backend
 
     dev = batch.device.index
-    if dev is None or dev == torch.cuda.current_device():
+    other = dev is not None and dev != torch.cuda.current_device()  # Triton launches on the current one
+    with torch.cuda.device(dev) if other else contextlib.nullcontext():
         triton_backend.fast_launch(_prepare_kernel, grid, args, consts[fix])
-    else:  # Triton launches on the current device's current stream
-        with torch.cuda.device(dev):
-            triton_backend.fast_launch(_prepare_kernel, grid, args, consts[fix])
     return True
 
 
