@@ -3,7 +3,9 @@
     python scripts/tune_triton.py --workloads llama8b_b1_q16k,page1_b16_q1k \
         --configs "128,64,8,3;128,128,8,2" [--graph]
 
-Each config is ``BLOCK_M,BLOCK_N,num_warps,num_stages[,lazy[,num_splits]]``;
+Each config is ``BLOCK_M,BLOCK_N,num_warps,num_stages[,lazy[,num_splits]]`` or ``key=value`` pairs
+(e.g. ``gluon=0`` for the Triton kernel, ``gluon=1`` for the Gluon kernel; the Gluon kernel's own
+knobs come from ``PAGEDPREFILL_GLUON_CONFIG``);
 "default" means the backend's
 own choice. Times are do_bench medians (L2 flushed); with --graph the call is captured in a CUDA
 graph first so host overhead is excluded. Every timed output is checked against cuDNN's.
@@ -62,7 +64,16 @@ def main() -> int:
     p.add_argument("--configs", default="default")
     p.add_argument("--graph", action="store_true")
     p.add_argument("--no-cudnn", action="store_true")
+    p.add_argument(
+        "--gluon-diag",
+        type=int,
+        default=0,
+        help="gluon_sm90.DIAGNOSTIC_SKIP (bits: 1 no K/V copies, 2 no softmax, 4 no V copies); wrong results",
+    )
     args = p.parse_args()
+    from pagedprefill.backends import gluon_sm90
+
+    gluon_sm90.DIAGNOSTIC_SKIP = args.gluon_diag
     rows = []
     for name in args.workloads.split(","):
         w = get_workload(name)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from pagedprefill.api import META_FIELDS, PrefillBatch, elements_per_token, meta_bytes
+from pagedprefill.backends import gluon_sm90
 
 NAME = "triton"
 
@@ -94,7 +95,7 @@ class SplitPolicy:
 
 SPLIT_POLICY = SplitPolicy()
 _OVERRIDE: dict = {}
-_KNOBS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_splits", "warp_spec", "lazy")
+_KNOBS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_splits", "warp_spec", "lazy", "gluon")
 
 
 def _check_knobs(knobs: dict, where: str) -> dict:
@@ -105,6 +106,8 @@ def _check_knobs(knobs: dict, where: str) -> dict:
             raise ValueError(f"{where}: {key} must be a power of two >= 16, got {val}")
         if key in ("num_warps", "num_stages", "num_splits") and val < 1:
             raise ValueError(f"{where}: {key} must be >= 1, got {val}")
+        if key == "gluon" and val not in (0, 1):
+            raise ValueError(f"{where}: gluon must be 0 or 1, got {val}")
     return knobs
 
 
@@ -1220,9 +1223,29 @@ def compile_count() -> int:
     if triton is None or INTERPRETED:
         return 0
     total = 0
-    for kernel in (_prefill_kernel, _merge_kernel, _metadata_kernel):
+    kernels = [_prefill_kernel, _merge_kernel, _metadata_kernel]
+    if gluon_sm90.gluon is not None:
+        kernels.append(gluon_sm90._attention_kernel)
+    for kernel in kernels:
         total += sum(len(cache[0]) for cache in kernel.device_caches.values())
     return total
+
+
+def use_gluon(batch: PrefillBatch, splits: int) -> bool:
+    """Whether this call runs the Hopper Gluon kernel (``gluon_sm90``) instead of ``_prefill_kernel``.
+
+    By default: wherever it can serve the call (sm_90, 16-bit q/k/v, no scale tensors, 16-byte K/V
+    rows, no split-KV) and it was measured faster: Dqk = Dvo = 128 with ragged K/V or pages of 8
+    tokens or more. Knob ``gluon=1`` forces it wherever it can serve (also D = 64, any page size),
+    ``gluon=0`` turns it off.
+    """
+    over = {**_env_override(), **_OVERRIDE}
+    mode = over.get("gluon")
+    if mode == 0 or INTERPRETED or splits > 1 or gluon_sm90.unavailable_reason(batch) is not None:
+        return False
+    if mode == 1:
+        return True
+    return batch.head_dim_qk == 128 and (not batch.paged or batch.page_size >= 8)
 
 
 def run(batch: PrefillBatch) -> None:
@@ -1230,6 +1253,11 @@ def run(batch: PrefillBatch) -> None:
         return
     cfg = choose_config(batch)
     splits = choose_splits(batch, cfg)  # from the table config, exactly as workspace_bytes
+    if use_gluon(batch, splits):
+        with torch.cuda.device(batch.device):
+            for kernel, grid, args, kwargs in gluon_sm90.launch_plan(batch):
+                fast_launch(kernel, grid, args, kwargs)
+        return
     key = (cfg, batch.device.type, batch.head_dim_qk, batch.head_dim_vo, batch.q.dtype, batch.k.dtype)
     cfg = _FALLBACKS.get(key, cfg)
     ctx = torch.cuda.device(batch.device) if batch.device.type == "cuda" else contextlib.nullcontext()

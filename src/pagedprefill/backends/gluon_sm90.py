@@ -1,0 +1,774 @@
+"""Hopper (sm_90) attention kernel in Gluon, Triton's explicit-layout dialect.
+
+The Triton kernel in ``triton_backend`` cannot keep a warpgroup MMA in flight across other work:
+Triton 3.6 emits ``wgmma.wait_group 0`` right after every QK^T and PV GEMM, so the softmax never
+overlaps the tensor cores (``docs/triton_kernel.md``). Gluon exposes ``warpgroup_mma(is_async=True)``
+and ``warpgroup_mma_wait(num_outstanding)``, which is what this kernel is for.
+
+One program computes ``BLOCK_M`` query rows (token x head-in-group pairs, GQA packing exactly as in
+``triton_backend``) of one sequence and one KV head with ``num_warps = 8``: two warpgroups of 64
+rows each. Per K/V tile ``j`` (``BLOCK_N`` keys), in this order:
+
+1. wait for tile ``j``'s ``cp.async`` copies (issued one tile ahead), barrier, proxy fence;
+2. issue the copies of tile ``j + 1`` into the stage tile ``j - 2`` used (free after the barrier);
+3. issue ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` as asynchronous wgmmas;
+4. wait for ``S_j`` only (one group left in flight) and run the online softmax of tile ``j`` while
+   the tensor cores still work on ``P_{j-1} V_{j-1}``;
+5. wait for the PV GEMM and rescale ``O`` by the softmax's correction factor.
+
+K/V rows are gathered with ``cp.async`` (any page size, any page strides, ragged rows), into a
+three-stage shared-memory ring of ``[BLOCK_N, D]`` NVMMA-swizzled tiles; Q stays in shared memory.
+Lengths, offsets and page ids are read on the device (CUDA-graph safe), as in the Triton kernel, and
+every integer that varies per call is ``do_not_specialize``.
+
+Served (see :func:`eligible`): sm_90, fp16 or bf16 q/k/v of one dtype, Dqk = Dvo in {64, 128}, a
+positive softmax scale and no q/k/v scale tensors, no split-KV. Everything else takes the Triton
+kernel.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from pagedprefill.api import PrefillBatch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    _IMPORT_ERROR: str | None = None
+except Exception as exc:  # pragma: no cover - depends on the Triton build
+    gluon = None
+    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+LOG2E = 1.4426950408889634
+GRID_LIMIT = 65535
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _softmax(s, m_i, l_i, qk_scale, start_n, diag, kv_len, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+        """Online-softmax step on one S tile: returns (p, m, l, alpha), p unnormalised (fp32)."""
+        if MASKED:
+            # scale first, then mask: a masked -inf must never meet a zero scale
+            cols = start_n + gl.arange(0, s.shape[1], gl.SliceLayout(0, s.type.layout))
+            s = s * qk_scale
+            if CAUSAL:
+                visible = cols[None, :] <= diag[:, None]
+            else:
+                visible = (cols < kv_len)[None, :]
+            s = gl.where(visible, s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet
+            p = gl.exp2(s - m_use[:, None])
+        else:
+            # every key visible to every row and qk_scale > 0: max(s) * scale = max(s * scale)
+            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+            m_use = m_new
+            p = gl.exp2(s * qk_scale - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        return p, m_new, l_i, alpha
+
+    @gluon.jit
+    def _load_partition(
+        k_smem,
+        v_smem,
+        kv_full,
+        kv_empty,
+        K,
+        V,
+        BT_row,
+        hi,
+        n_tiles,
+        kv_head,
+        k_start,
+        v_start,
+        num_pages,
+        stride_kn,
+        stride_kh,
+        stride_ks,
+        stride_vn,
+        stride_vh,
+        stride_vs,
+        PAGE_SIZE: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        D: gl.constexpr,
+        STAGES: gl.constexpr,
+        LD: gl.constexpr,
+        DBG: gl.constexpr,
+    ):
+        """Load warps: gather K/V tile t into stage t % STAGES once both consumers released it."""
+        for t in range(n_tiles):
+            s = t % STAGES
+            mbarrier.wait(kv_empty.index(s), ((t // STAGES) & 1) ^ 1)
+            cols = t * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, LD))
+            ok = cols < hi
+            if PAGE_SIZE == 0:
+                k_off = (k_start + cols).to(gl.int64) * stride_kn
+                v_off = (v_start + cols).to(gl.int64) * stride_vn
+            else:
+                page = gl.load(BT_row + cols // PAGE_SIZE, mask=ok, other=0)
+                page = gl.minimum(gl.maximum(page, 0), num_pages - 1).to(gl.int64)
+                slot = cols % PAGE_SIZE
+                k_off = page * stride_kn + slot * stride_ks
+                v_off = page * stride_vn + slot * stride_vs
+            k_off = k_off + kv_head * stride_kh
+            v_off = v_off + kv_head * stride_vh
+            d = gl.arange(0, D, gl.SliceLayout(0, LD))
+            if (DBG & 1) == 0:
+                async_copy.async_copy_global_to_shared(
+                    k_smem.index(s), K + k_off[:, None] + d[None, :], mask=ok[:, None]
+                )
+                if (DBG & 4) == 0:
+                    async_copy.async_copy_global_to_shared(
+                        v_smem.index(s), V + v_off[:, None] + d[None, :], mask=ok[:, None]
+                    )
+            # every load thread arrives once its own copies have landed (barrier count = load threads)
+            async_copy.mbarrier_arrive(kv_full.index(s), increment_count=False)
+
+    @gluon.jit
+    def _softmax_partition(
+        Q,
+        stride_qt,
+        stride_qh,
+        q_smem,
+        k_smem,
+        v_smem,
+        kv_full,
+        kv_empty,
+        Out,
+        LSE,
+        row0,
+        q_len,
+        kv_len,
+        hi,
+        full,
+        n_tiles,
+        qk_scale,
+        q_start,
+        o_start,
+        lse_start,
+        kv_head,
+        stride_ot,
+        stride_oh,
+        num_heads_q,
+        R0: gl.constexpr,
+        GROUP: gl.constexpr,
+        D: gl.constexpr,
+        SUB_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        HAS_LSE: gl.constexpr,
+        DBG: gl.constexpr,
+    ):
+        """One warpgroup: rows [row0 + R0, row0 + R0 + SUB_M) of the program's tile."""
+        dtype: gl.constexpr = q_smem.dtype
+        TPW_D: gl.constexpr = D // 8
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [4, 1], [1, 0])
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
+        )
+        P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+        # this warpgroup's Q rows -> its own slot of q_smem
+        rows_l = row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, LD))
+        tok_l = rows_l // GROUP
+        head_l = kv_head * GROUP + rows_l % GROUP
+        q_off = (q_start + tok_l).to(gl.int64) * stride_qt + head_l.to(gl.int64) * stride_qh
+        d_l = gl.arange(0, D, gl.SliceLayout(0, LD))
+        q_sub = q_smem.index(R0 // SUB_M)
+        q_sub.store(gl.load(Q + q_off[:, None] + d_l[None, :], mask=(tok_l < q_len)[:, None], other=0.0))
+        fence_async_shared()
+        gl.thread_barrier()
+        rows_s = row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, S_L))
+        tok_s = rows_s // GROUP
+        diag = tok_s + (kv_len - q_len)
+        m_i = gl.full([SUB_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
+        l_i = gl.zeros([SUB_M], gl.float32, gl.SliceLayout(1, S_L))
+        acc = gl.zeros([SUB_M, D], gl.float32, O_L)
+        s_zero = gl.zeros([SUB_M, BLOCK_N], gl.float32, S_L)
+        p_op = gl.zeros([SUB_M, BLOCK_N], dtype, P_L)
+        if n_tiles > 0:  # tile 0: nothing to overlap its softmax with yet
+            mbarrier.wait(kv_full.index(0), 0)
+            fence_async_shared()
+            s_tok = warpgroup_mma(
+                q_sub, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True
+            )
+            sc = warpgroup_mma_wait(0, deps=[s_tok])
+            if full > 0:
+                p, m_i, l_i, alpha = _softmax(sc, m_i, l_i, qk_scale, 0, diag, kv_len, False, CAUSAL)
+            else:
+                p, m_i, l_i, alpha = _softmax(sc, m_i, l_i, qk_scale, 0, diag, kv_len, True, CAUSAL)
+            p_op = gl.convert_layout(p.to(dtype), P_L)
+        for j in range(1, n_tiles):
+            s = j % STAGES
+            prev = (j + STAGES - 1) % STAGES
+            mbarrier.wait(kv_full.index(s), (j // STAGES) & 1)
+            fence_async_shared()
+            # S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together; softmax(S_j) overlaps the PV GEMM
+            s_tok = warpgroup_mma(
+                q_sub, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True
+            )
+            o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            sc = warpgroup_mma_wait(1, deps=[s_tok])
+            if (DBG & 2) != 0:
+                p = sc
+                alpha = m_i
+            elif j * BLOCK_N < full:
+                p, m_i, l_i, alpha = _softmax(
+                    sc, m_i, l_i, qk_scale, j * BLOCK_N, diag, kv_len, False, CAUSAL
+                )
+            else:
+                p, m_i, l_i, alpha = _softmax(sc, m_i, l_i, qk_scale, j * BLOCK_N, diag, kv_len, True, CAUSAL)
+            acc = warpgroup_mma_wait(0, deps=[o_tok])
+            mbarrier.arrive(kv_empty.index(prev))
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+            p_op = gl.convert_layout(p.to(dtype), P_L)
+        if n_tiles > 0:
+            last = (n_tiles - 1) % STAGES
+            o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[o_tok])
+            mbarrier.arrive(kv_empty.index(last))
+
+        has_key = l_i > 0.0
+        inv_l = gl.where(has_key, 1.0 / gl.where(has_key, l_i, 1.0), 0.0)
+        lse2 = gl.where(has_key, m_i + gl.log2(gl.where(has_key, l_i, 1.0)), float("-inf"))
+        o = (acc * gl.convert_layout(inv_l, gl.SliceLayout(1, O_L))[:, None]).to(Out.dtype.element_ty)
+        rows_o = row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, O_L))
+        tok_o = rows_o // GROUP
+        head_o = kv_head * GROUP + rows_o % GROUP
+        o_off = (o_start + tok_o).to(gl.int64) * stride_ot + head_o.to(gl.int64) * stride_oh
+        d_o = gl.arange(0, D, gl.SliceLayout(0, O_L))
+        gl.store(Out + o_off[:, None] + d_o[None, :], o, mask=(tok_o < q_len)[:, None])
+        if HAS_LSE:
+            head_s = kv_head * GROUP + rows_s % GROUP
+            lse_off = lse_start.to(gl.int64) + tok_s.to(gl.int64) * num_heads_q + head_s
+            gl.store(LSE + lse_off, lse2 * 0.6931471805599453, mask=tok_s < q_len)
+
+    @gluon.jit(
+        do_not_specialize=["meta_stride", "b_offset", "m_offset", "num_m_blocks", "num_pages", "bt_stride"],
+        do_not_specialize_on_alignment=["BT", "LSE"],
+    )
+    def _attention_kernel(
+        Q,
+        K,
+        V,
+        Out,
+        LSE,
+        META,
+        BT,
+        sm_scale_log2,
+        meta_stride,
+        b_offset,
+        m_offset,
+        num_m_blocks,
+        num_pages,
+        bt_stride,
+        stride_qt,
+        stride_qh,
+        stride_kn,
+        stride_kh,
+        stride_ks,
+        stride_vn,
+        stride_vh,
+        stride_vs,
+        stride_ot,
+        stride_oh,
+        num_heads_q,
+        GROUP: gl.constexpr,
+        PAGE_SIZE: gl.constexpr,
+        D: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        HAS_LSE: gl.constexpr,
+        STAGES: gl.constexpr,
+        LOAD_WARPS: gl.constexpr,
+        CONS_REGS: gl.constexpr,
+        LOAD_REGS: gl.constexpr,
+        NC: gl.constexpr,
+        DBG: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        """Warp-specialised variant: LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each
+        (BLOCK_M = 64 * NC)."""
+        SUB_M: gl.constexpr = 64
+        dtype: gl.constexpr = Q.dtype.element_ty
+        TPW_D: gl.constexpr = D // 8
+        LD_W: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [LOAD_WARPS, 1], [1, 0])
+        SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+        kv_head = gl.program_id(0)
+        b = gl.program_id(1) + b_offset
+        m_blk = num_m_blocks - 1 - (gl.program_id(2) + m_offset)
+        q_len = gl.load(META + b)
+        kv_len = gl.load(META + meta_stride + b)
+        q_start = gl.load(META + 2 * meta_stride + b)
+        o_start = gl.load(META + 3 * meta_stride + b)
+        lse_start = q_len * 0  # (scalars handed to partitions must be tensors)
+        if HAS_LSE:
+            lse_start = gl.load(META + 6 * meta_stride + b)
+        if PAGE_SIZE > 0:
+            BT_row = BT + b.to(gl.int64) * bt_stride
+            k_start = q_len * 0
+            v_start = q_len * 0
+        else:
+            BT_row = BT
+            k_start = gl.load(META + 4 * meta_stride + b)
+            v_start = gl.load(META + 5 * meta_stride + b)
+        row0 = m_blk * BLOCK_M
+        if CAUSAL:
+            tok_hi = gl.minimum((row0 + BLOCK_M - 1) // GROUP, q_len - 1)
+            hi = gl.minimum(kv_len, tok_hi + (kv_len - q_len) + 1)
+            full = gl.minimum(kv_len, row0 // GROUP + (kv_len - q_len) + 1)
+            full = (gl.maximum(full, 0) // BLOCK_N) * BLOCK_N
+        else:
+            hi = kv_len
+            full = (kv_len // BLOCK_N) * BLOCK_N
+        hi = gl.maximum(hi, 0)
+        n_tiles = (hi + BLOCK_N - 1) // BLOCK_N
+        n_tiles = gl.where(row0 < q_len * GROUP, n_tiles, 0)  # programs past the sequence: nothing
+
+        q_smem = gl.allocate_shared_memory(dtype, [NC, SUB_M, D], SMEM)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], SMEM)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], SMEM)
+        kv_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(kv_full.index(i), count=LOAD_WARPS * 32)
+            mbarrier.init(kv_empty.index(i), count=NC)
+        fence_async_shared()
+
+        qk_scale = sm_scale_log2
+        ZERO: gl.constexpr = 0
+        # ints specialised to 1 arrive as constexprs; partitions take tensors
+        stride_ot = gl.to_tensor(stride_ot)
+        stride_oh = gl.to_tensor(stride_oh)
+        num_heads_q = gl.to_tensor(num_heads_q)
+        stride_qt = gl.to_tensor(stride_qt)
+        stride_qh = gl.to_tensor(stride_qh)
+        stride_kn = gl.to_tensor(stride_kn)
+        stride_kh = gl.to_tensor(stride_kh)
+        stride_ks = gl.to_tensor(stride_ks)
+        stride_vn = gl.to_tensor(stride_vn)
+        stride_vh = gl.to_tensor(stride_vh)
+        stride_vs = gl.to_tensor(stride_vs)
+        R1: gl.constexpr = SUB_M
+        R2: gl.constexpr = 2 * SUB_M
+        # (argument tuples are written out in full: Gluon does not concatenate tuples of constexprs)
+        if NC == 2:
+            gl.warp_specialize(
+                [
+                    (
+                        _softmax_partition,
+                        (
+                            Q,
+                            stride_qt,
+                            stride_qh,
+                            q_smem,
+                            k_smem,
+                            v_smem,
+                            kv_full,
+                            kv_empty,
+                            Out,
+                            LSE,
+                            row0,
+                            q_len,
+                            kv_len,
+                            hi,
+                            full,
+                            n_tiles,
+                            qk_scale,
+                            q_start,
+                            o_start,
+                            lse_start,
+                            kv_head,
+                            stride_ot,
+                            stride_oh,
+                            num_heads_q,
+                            ZERO,
+                            GROUP,
+                            D,
+                            SUB_M,
+                            BLOCK_N,
+                            STAGES,
+                            CAUSAL,
+                            HAS_LSE,
+                            DBG,
+                        ),
+                    ),
+                    (
+                        _softmax_partition,
+                        (
+                            Q,
+                            stride_qt,
+                            stride_qh,
+                            q_smem,
+                            k_smem,
+                            v_smem,
+                            kv_full,
+                            kv_empty,
+                            Out,
+                            LSE,
+                            row0,
+                            q_len,
+                            kv_len,
+                            hi,
+                            full,
+                            n_tiles,
+                            qk_scale,
+                            q_start,
+                            o_start,
+                            lse_start,
+                            kv_head,
+                            stride_ot,
+                            stride_oh,
+                            num_heads_q,
+                            R1,
+                            GROUP,
+                            D,
+                            SUB_M,
+                            BLOCK_N,
+                            STAGES,
+                            CAUSAL,
+                            HAS_LSE,
+                            DBG,
+                        ),
+                    ),
+                    (
+                        _load_partition,
+                        (
+                            k_smem,
+                            v_smem,
+                            kv_full,
+                            kv_empty,
+                            K,
+                            V,
+                            BT_row,
+                            hi,
+                            n_tiles,
+                            kv_head,
+                            k_start,
+                            v_start,
+                            num_pages,
+                            stride_kn,
+                            stride_kh,
+                            stride_ks,
+                            stride_vn,
+                            stride_vh,
+                            stride_vs,
+                            PAGE_SIZE,
+                            BLOCK_N,
+                            D,
+                            STAGES,
+                            LD_W,
+                            DBG,
+                        ),
+                    ),
+                ],
+                [4, LOAD_WARPS],
+                [CONS_REGS, LOAD_REGS],
+            )
+        else:
+            gl.warp_specialize(
+                [
+                    (
+                        _softmax_partition,
+                        (
+                            Q,
+                            stride_qt,
+                            stride_qh,
+                            q_smem,
+                            k_smem,
+                            v_smem,
+                            kv_full,
+                            kv_empty,
+                            Out,
+                            LSE,
+                            row0,
+                            q_len,
+                            kv_len,
+                            hi,
+                            full,
+                            n_tiles,
+                            qk_scale,
+                            q_start,
+                            o_start,
+                            lse_start,
+                            kv_head,
+                            stride_ot,
+                            stride_oh,
+                            num_heads_q,
+                            ZERO,
+                            GROUP,
+                            D,
+                            SUB_M,
+                            BLOCK_N,
+                            STAGES,
+                            CAUSAL,
+                            HAS_LSE,
+                            DBG,
+                        ),
+                    ),
+                    (
+                        _softmax_partition,
+                        (
+                            Q,
+                            stride_qt,
+                            stride_qh,
+                            q_smem,
+                            k_smem,
+                            v_smem,
+                            kv_full,
+                            kv_empty,
+                            Out,
+                            LSE,
+                            row0,
+                            q_len,
+                            kv_len,
+                            hi,
+                            full,
+                            n_tiles,
+                            qk_scale,
+                            q_start,
+                            o_start,
+                            lse_start,
+                            kv_head,
+                            stride_ot,
+                            stride_oh,
+                            num_heads_q,
+                            R1,
+                            GROUP,
+                            D,
+                            SUB_M,
+                            BLOCK_N,
+                            STAGES,
+                            CAUSAL,
+                            HAS_LSE,
+                            DBG,
+                        ),
+                    ),
+                    (
+                        _softmax_partition,
+                        (
+                            Q,
+                            stride_qt,
+                            stride_qh,
+                            q_smem,
+                            k_smem,
+                            v_smem,
+                            kv_full,
+                            kv_empty,
+                            Out,
+                            LSE,
+                            row0,
+                            q_len,
+                            kv_len,
+                            hi,
+                            full,
+                            n_tiles,
+                            qk_scale,
+                            q_start,
+                            o_start,
+                            lse_start,
+                            kv_head,
+                            stride_ot,
+                            stride_oh,
+                            num_heads_q,
+                            R2,
+                            GROUP,
+                            D,
+                            SUB_M,
+                            BLOCK_N,
+                            STAGES,
+                            CAUSAL,
+                            HAS_LSE,
+                            DBG,
+                        ),
+                    ),
+                    (
+                        _load_partition,
+                        (
+                            k_smem,
+                            v_smem,
+                            kv_full,
+                            kv_empty,
+                            K,
+                            V,
+                            BT_row,
+                            hi,
+                            n_tiles,
+                            kv_head,
+                            k_start,
+                            v_start,
+                            num_pages,
+                            stride_kn,
+                            stride_kh,
+                            stride_ks,
+                            stride_vn,
+                            stride_vh,
+                            stride_vs,
+                            PAGE_SIZE,
+                            BLOCK_N,
+                            D,
+                            STAGES,
+                            LD_W,
+                            DBG,
+                        ),
+                    ),
+                ],
+                [4, 4, LOAD_WARPS],
+                [CONS_REGS, CONS_REGS, LOAD_REGS],
+            )
+
+
+def unavailable_reason(batch: PrefillBatch) -> str | None:
+    """Why this kernel cannot serve the call (None when it can)."""
+    if gluon is None:
+        return f"Gluon is not importable: {_IMPORT_ERROR}"
+    if batch.device.type != "cuda":
+        return "not a CUDA device"
+    if torch.cuda.get_device_capability(batch.device) != (9, 0):
+        return "the Gluon kernel is written for sm_90 (wgmma)"
+    dt = batch.q.dtype
+    if dt not in (torch.float16, torch.bfloat16) or batch.k.dtype != dt or batch.v.dtype != dt:
+        return "q, k and v must share one 16-bit dtype"
+    if batch.head_dim_qk != batch.head_dim_vo or batch.head_dim_qk not in (64, 128):
+        return "head dims other than Dqk = Dvo in {64, 128}"
+    if not batch.scale > 0 or any(x is not None for x in (batch.q_scale, batch.k_scale, batch.v_scale)):
+        return "scale tensors or a non-positive scale"
+    for name, t in (("k", batch.k), ("v", batch.v)):  # cp.async copies 16-byte rows
+        if t.data_ptr() % 16 or t.stride(-1) != 1 or any(st % 8 for st in t.stride()[:-1]):
+            return f"{name} rows are not 16-byte aligned (cp.async)"
+    return None
+
+
+@dataclass(frozen=True)
+class Config:
+    """Launch knobs of the warp-specialised kernel (all compile-time constants).
+
+    ``BLOCK_M = 64 * consumers`` query rows per program; the register split is per thread and must
+    satisfy ``128 * (consumers * consumer_regs + load_regs * load_warps / 4) <= 65536``.
+    """
+
+    BLOCK_N: int = 64  # keys per pipeline stage
+    stages: int = 5  # K/V shared-memory ring depth
+    consumers: int = 3  # softmax/MMA warpgroups of 64 rows each (2 or 3)
+    load_warps: int = 4
+    consumer_regs: int = 144
+    load_regs: int = 80
+
+    @property
+    def BLOCK_M(self) -> int:
+        return 64 * self.consumers
+
+
+DEFAULT = Config()
+_ENV_KEYS = {f.name for f in fields(Config)}
+# Benchmark diagnostics only, never for results: bit 0 skips the K/V copies, bit 1 the softmax,
+# bit 2 the V copies (so the pipeline's compute-only and load-only speeds can be measured).
+DIAGNOSTIC_SKIP = 0
+
+
+def config() -> Config:
+    """``DEFAULT`` with ``PAGEDPREFILL_GLUON_CONFIG="stages=4,consumers=2,..."`` applied."""
+    raw = os.environ.get("PAGEDPREFILL_GLUON_CONFIG", "").strip()
+    if not raw:
+        return DEFAULT
+    over = {}
+    for item in raw.split(","):
+        key, _, val = item.partition("=")
+        key = key.strip()
+        if key not in _ENV_KEYS:
+            raise ValueError(
+                f"PAGEDPREFILL_GLUON_CONFIG: unknown knob {key!r}; expected one of {sorted(_ENV_KEYS)}"
+            )
+        over[key] = int(val)
+    cfg = replace(DEFAULT, **over)
+    if cfg.consumers not in (2, 3):
+        raise ValueError(f"PAGEDPREFILL_GLUON_CONFIG: consumers must be 2 or 3, got {cfg.consumers}")
+    return cfg
+
+
+def num_m_blocks(batch: PrefillBatch, cfg: Config) -> int:
+    return -(-batch.max_q * batch.group_size // cfg.BLOCK_M)
+
+
+def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
+    """The launches of one call: a list of ``(kernel, grid, args, kwargs)``. Reads no device data."""
+    cfg = config() if cfg is None else cfg
+    bsz, hkv = batch.batch_size, batch.num_kv_heads
+    if bsz == 0 or batch.max_q == 0:
+        return []
+    paged = batch.paged
+    meta = batch.meta
+    bt = batch.block_tables if paged else meta
+    k, v, q, out = batch.k, batch.v, batch.q, batch.out
+    if paged:
+        kstr = (k.stride(0), k.stride(1), k.stride(2))
+        vstr = (v.stride(0), v.stride(1), v.stride(2))
+    else:
+        kstr = (k.stride(0), k.stride(1), 0)
+        vstr = (v.stride(0), v.stride(1), 0)
+    n_m = num_m_blocks(batch, cfg)
+    plans = []
+    for b0 in range(0, bsz, GRID_LIMIT):
+        nb = min(GRID_LIMIT, bsz - b0)
+        for z0 in range(0, n_m, GRID_LIMIT):
+            nz = min(GRID_LIMIT, n_m - z0)
+            args = (
+                q,
+                k,
+                v,
+                out,
+                batch.lse if batch.lse is not None else meta,
+                meta,
+                bt,
+                float(batch.scale) * LOG2E,
+                meta.stride(0),
+                b0,
+                z0,
+                n_m,
+                k.shape[0],
+                bt.stride(0) if paged else 0,
+                q.stride(0),
+                q.stride(1),
+                *kstr,
+                *vstr,
+                out.stride(0),
+                out.stride(1),
+                batch.num_qo_heads,
+            )
+            kwargs = dict(
+                GROUP=batch.group_size,
+                PAGE_SIZE=batch.page_size if paged else 0,
+                D=batch.head_dim_qk,
+                BLOCK_M=cfg.BLOCK_M,
+                BLOCK_N=cfg.BLOCK_N,
+                CAUSAL=bool(batch.causal),
+                HAS_LSE=batch.lse is not None,
+                STAGES=cfg.stages,
+                LOAD_WARPS=cfg.load_warps,
+                CONS_REGS=cfg.consumer_regs,
+                LOAD_REGS=cfg.load_regs,
+                NC=cfg.consumers,
+                DBG=DIAGNOSTIC_SKIP,
+                num_warps=4,
+            )
+            plans.append((_attention_kernel, (hkv, nb, nz), args, kwargs))
+    return plans
