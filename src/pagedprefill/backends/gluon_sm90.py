@@ -1,29 +1,32 @@
 """Hopper (sm_90) attention kernel in Gluon, Triton's explicit-layout dialect.
 
-The Triton kernel in ``triton_backend`` cannot keep a warpgroup MMA in flight across other work:
-Triton 3.6 emits ``wgmma.wait_group 0`` right after every QK^T and PV GEMM, so the softmax never
-overlaps the tensor cores (``docs/triton_kernel.md``). Gluon exposes ``warpgroup_mma(is_async=True)``
-and ``warpgroup_mma_wait(num_outstanding)``, which is what this kernel is for.
+Why Gluon: Triton 3.6 emits ``wgmma.wait_group 0`` right after every GEMM of the Triton kernel and
+its automatic warp specialisation does not engage on it (``docs/triton_kernel.md``). Gluon exposes
+``warpgroup_mma(is_async=True)`` / ``warpgroup_mma_wait(n)``, mbarriers and ``warp_specialize``.
 
-One program computes ``BLOCK_M`` query rows (token x head-in-group pairs, GQA packing exactly as in
-``triton_backend``) of one sequence and one KV head with ``num_warps = 8``: two warpgroups of 64
-rows each. Per K/V tile ``j`` (``BLOCK_N`` keys), in this order:
+One program (grid ``(Hkv, B, num_m_blocks)``, heaviest row blocks first) computes ``BLOCK_M = 64 *
+consumers`` query rows of one sequence and one KV head; a row is a (token, head-in-group) pair,
+GQA packing exactly as in ``triton_backend``. Its warps are split (``gl.warp_specialize``):
 
-1. wait for tile ``j``'s ``cp.async`` copies (issued one tile ahead), barrier, proxy fence;
-2. issue the copies of tile ``j + 1`` into the stage tile ``j - 2`` used (free after the barrier);
-3. issue ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` as asynchronous wgmmas;
-4. wait for ``S_j`` only (one group left in flight) and run the online softmax of tile ``j`` while
-   the tensor cores still work on ``P_{j-1} V_{j-1}``;
-5. wait for the PV GEMM and rescale ``O`` by the softmax's correction factor.
+* **load warps** (``load_warps``, few registers): for key tile ``t`` they wait until every consumer
+  released stage ``t % stages`` (``kv_empty``), gather the tile's K and V rows with ``cp.async``
+  (page ids from the block table, clamped; any page size and page strides; ragged rows; rows past
+  the tile's key range zero-filled) and arrive on ``kv_full`` when their copies land (``cp.async
+  .mbarrier.arrive.noinc``, one arrival per load thread);
+* **consumer warpgroups** (``consumers`` x 4 warps, 64 rows each): load their Q rows into shared
+  memory once, then per tile ``j``: wait ``kv_full``, issue ``S_j = Q K_j^T`` and ``O += P_{j-1}
+  V_{j-1}`` as asynchronous wgmmas, wait for ``S_j`` only, run the online softmax of tile ``j`` while
+  the PV GEMM still runs, wait for it, release stage ``j - 1`` and rescale ``O``. Consumers are not
+  synchronised with each other, so one's softmax also overlaps another's GEMMs.
 
-K/V rows are gathered with ``cp.async`` (any page size, any page strides, ragged rows), into a
-three-stage shared-memory ring of ``[BLOCK_N, D]`` NVMMA-swizzled tiles; Q stays in shared memory.
-Lengths, offsets and page ids are read on the device (CUDA-graph safe), as in the Triton kernel, and
-every integer that varies per call is ``do_not_specialize``.
+Lengths, offsets and page ids are read on the device (CUDA-graph safe, no host sync), every integer
+that varies per call is ``do_not_specialize``, masks are evaluated only on tiles that cross the
+causal diagonal or the end of the keys, rows without a visible key get out 0 and lse -inf.
 
-Served (see :func:`eligible`): sm_90, fp16 or bf16 q/k/v of one dtype, Dqk = Dvo in {64, 128}, a
-positive softmax scale and no q/k/v scale tensors, no split-KV. Everything else takes the Triton
-kernel.
+Served (:func:`unavailable_reason`): sm_90, one 16-bit dtype for q/k/v, Dqk = Dvo in {64, 128}, a
+positive scale and no scale tensors, 16-byte-aligned K/V rows. ``triton_backend.use_gluon`` decides
+per call (by default only where it was measured faster than the Triton kernel); split-KV calls and
+everything else take the Triton kernel. Design notes and measurements: ``docs/triton_kernel.md``.
 """
 
 from __future__ import annotations
@@ -109,7 +112,7 @@ if gluon is not None:
         LD: gl.constexpr,
         DBG: gl.constexpr,
     ):
-        """Load warps: gather K/V tile t into stage t % STAGES once both consumers released it."""
+        """Load warps: gather K/V tile t into stage t % STAGES once every consumer released it."""
         for t in range(n_tiles):
             s = t % STAGES
             mbarrier.wait(kv_empty.index(s), ((t // STAGES) & 1) ^ 1)
@@ -139,7 +142,7 @@ if gluon is not None:
             async_copy.mbarrier_arrive(kv_full.index(s), increment_count=False)
 
     @gluon.jit
-    def _softmax_partition(
+    def _consumer_partition(
         Q,
         stride_qt,
         stride_qh,
@@ -174,7 +177,7 @@ if gluon is not None:
         HAS_LSE: gl.constexpr,
         DBG: gl.constexpr,
     ):
-        """One warpgroup: rows [row0 + R0, row0 + R0 + SUB_M) of the program's tile."""
+        """One consumer warpgroup: rows [row0 + R0, row0 + R0 + SUB_M) of the program's tile."""
         dtype: gl.constexpr = q_smem.dtype
         TPW_D: gl.constexpr = D // 8
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [4, 1], [1, 0])
@@ -305,8 +308,8 @@ if gluon is not None:
         DBG: gl.constexpr,
         num_warps: gl.constexpr,
     ):
-        """Warp-specialised variant: LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each
-        (BLOCK_M = 64 * NC)."""
+        """LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each (BLOCK_M = 64 * NC); the
+        kernel's own num_warps (4) are the first consumer."""
         SUB_M: gl.constexpr = 64
         dtype: gl.constexpr = Q.dtype.element_ty
         TPW_D: gl.constexpr = D // 8
@@ -375,7 +378,7 @@ if gluon is not None:
             gl.warp_specialize(
                 [
                     (
-                        _softmax_partition,
+                        _consumer_partition,
                         (
                             Q,
                             stride_qt,
@@ -413,7 +416,7 @@ if gluon is not None:
                         ),
                     ),
                     (
-                        _softmax_partition,
+                        _consumer_partition,
                         (
                             Q,
                             stride_qt,
@@ -488,7 +491,7 @@ if gluon is not None:
             gl.warp_specialize(
                 [
                     (
-                        _softmax_partition,
+                        _consumer_partition,
                         (
                             Q,
                             stride_qt,
@@ -526,7 +529,7 @@ if gluon is not None:
                         ),
                     ),
                     (
-                        _softmax_partition,
+                        _consumer_partition,
                         (
                             Q,
                             stride_qt,
@@ -564,7 +567,7 @@ if gluon is not None:
                         ),
                     ),
                     (
-                        _softmax_partition,
+                        _consumer_partition,
                         (
                             Q,
                             stride_qt,
