@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install, GPU tests, smoke checks, benchmark. Logs go to $OUT.
 # Usage (on the GPU machine, from the repo root): bash scripts/gpu_session.sh [steps...]
-# steps: tests smoke bench graph serving overhead timeline profile (default: tests smoke bench).
+# steps: tests smoke bench graph serving overhead timeline profile gluon (default: tests smoke bench).
 # Extra pytest args via PYTEST_ARGS, bench args via BENCH_ARGS.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -24,6 +24,13 @@ for s in $steps; do
     overhead) timeout 200 python3 -m pagedprefill.bench --overhead --out-json "$OUT/h200-overhead.json" 2>&1 | tee "$OUT/overhead.log" | tail -12
               timeout 200 python3 -m pagedprefill.bench --overhead --cuda-graph --out-json "$OUT/h200-overhead.json" 2>&1 | tee "$OUT/overhead-graph.log" | tail -12 ;;
     timeline) timeout 150 python3 scripts/overhead_timeline.py 2>&1 | grep -v -i warn | tee "$OUT/timeline.log" ;;
+    gluon) timeout 300 python3 -m pytest -q -m gpu tests/test_gluon_sm90.py 2>&1 | tee "$OUT/gluon-tests.log" | tail -5
+           for c in "" "tma=1"; do
+             echo "PAGEDPREFILL_GLUON_CONFIG=$c"
+             PAGEDPREFILL_GLUON_CONFIG=$c timeout 150 python3 scripts/tune_triton.py --graph --configs "gluon=0;gluon=1" \
+               --workloads llama8b_b1_q16k,noncausal_b8_q2k,llama8b_b16_q1k,page64_b16_q1k,chunked_b8_q512_p7680 2>&1 \
+               | grep -A12 SUMMARY
+           done 2>&1 | tee "$OUT/gluon-probe.log" ;;
     profile) timeout 120 python3 scripts/host_profile.py llama8b_b16_q1k cudnn triton 2>&1 | tee "$OUT/profile.log" | grep -A6 "host us" ;;
     *) echo "unknown step $s" ;;
   esac

@@ -82,26 +82,85 @@ _AOT = textwrap.dedent(
             spill = max([int(x) for x in re.findall(r"(\\d+) bytes spill stores", log)] or [0])
             overlap = "wgmma.wait_group.sync.aligned 1" in ptx
             regs = sorted(set(re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)))
-            print("RESULT", d, page, c.metadata.shared, spill, overlap, ",".join(regs), flush=True)
+            bulk = ptx.count("cp.async.bulk.tensor")
+            print("RESULT", d, page, c.metadata.shared, spill, overlap, ",".join(regs), bulk, flush=True)
     """
 )
 
 
-def test_compiles_for_sm90(tmp_path):
-    specs = [(128, 16, True, "bfloat16"), (128, 0, False, "float16"), (64, 1, True, "bfloat16")]
+@pytest.mark.parametrize("tma", [0, 1])
+def test_compiles_for_sm90(tmp_path, tma):
+    specs = [
+        (128, 16, True, "bfloat16"),
+        (128, 0, False, "float16"),
+        (64, 1 if not tma else 32, True, "bfloat16"),
+    ]
     script = _AOT.format(tests=str(ROOT / "tests"), specs=specs)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PAGEDPREFILL_GLUON_CONFIG"] = f"tma={tma}"
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     results = [line.split() for line in res.stdout.splitlines() if line.startswith("RESULT")]
     assert len(results) == len(specs), res.stdout
     cfg = gs.DEFAULT
-    for _, d, page, shared, spill, overlap, regs in results:
+    for _, d, page, shared, spill, overlap, regs, bulk in results:
+        assert (int(bulk) > 0) == bool(tma), (d, page, bulk)  # TMA copies exactly when asked for
         assert int(shared) <= 227 * 1024, (d, page, shared)
         assert int(spill) == 0, (d, page, spill)
         assert overlap == "True", "no wgmma group left in flight across the softmax"
         assert str(cfg.consumer_regs) in regs.split(",") and str(cfg.load_regs) in regs.split(","), regs
+
+
+@pytest.mark.parametrize("layout", ["nhd", "hnd", "interleaved"])
+@pytest.mark.parametrize("page_size", [16, 64, 0])
+def test_tma_view_addresses_every_key_row(layout, page_size):
+    """The 2-D TMA view's (row, column) of every (page, head, slot) is that key row's address."""
+    case = make_case(
+        2,
+        lens_q=[3],
+        lens_kv=[150],
+        hq=8,
+        hkv=4,
+        dqk=64,
+        page_size=page_size,
+        kv_layout=layout,
+        dtype=torch.bfloat16,
+    )
+    batch = direct_batch(case)
+    cfg = gs.Config(tma=1)
+    plan = gs._tma_plan(batch, cfg)
+    if page_size == 0 and layout != "nhd":
+        pytest.skip("ragged caches have one layout")
+    assert plan is not None
+    box = plan[0]
+    assert box == (min(page_size, cfg.BLOCK_N) if page_size else cfg.BLOCK_N)
+    for t, (desc, page_rows, head_off, head_rows) in zip((batch.k, batch.v), plan[1:]):
+        rows, cols = desc.shape
+        st = desc.strides[0]
+        esz = t.element_size()
+        slots = t.shape[2] if batch.paged else 1
+        for page in range(t.shape[0]):
+            for h in range(t.shape[1]):
+                for slot in range(slots):
+                    if batch.paged:
+                        row, want = page * page_rows + slot, t[page, h, slot]
+                    else:
+                        row, want = page, t[page, h]
+                    col = 0
+                    if head_rows:
+                        row += h * head_off
+                    else:
+                        col = h * head_off
+                    assert 0 <= row < rows and col + batch.head_dim_qk <= cols
+                    assert t.data_ptr() + (row * st + col) * esz == want.data_ptr()
+
+
+def test_tma_plan_refuses_small_pages_and_is_off_by_default():
+    case = make_case(2, lens_q=[3], lens_kv=[40], hq=8, hkv=4, dqk=64, page_size=8, dtype=torch.bfloat16)
+    assert gs._tma_plan(direct_batch(case), gs.Config(tma=1)) is None
+    case16 = make_case(2, lens_q=[3], lens_kv=[40], hq=8, hkv=4, dqk=64, page_size=16, dtype=torch.bfloat16)
+    assert gs._tma_plan(direct_batch(case16), gs.DEFAULT) is None
 
 
 # --------------------------------------------------------------------------------------------
@@ -126,6 +185,19 @@ def test_gpu_random_grid_forced(seed):
     case = make_case(seed, **params)
     batch = direct_batch(case)
     assert gs.unavailable_reason(batch) is None
+    out, lse = call(case, gluon=1, num_splits=1)
+    check(case, out, lse, atol=atol_for(params["dtype"]), lse_atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(700, 724))
+def test_gpu_random_grid_tma(seed, monkeypatch):
+    """TMA copies for whole tiles (knob tma=1): pages of 16/32/64 tokens and ragged K/V, every layout."""
+    monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", "tma=1")
+    params = gluon_params(seed)
+    params["page_size"] = random.Random(seed).choice([0, 16, 32, 64])
+    case = make_case(seed, **params)
+    assert gs._tma_plan(direct_batch(case), gs.config()) is not None
     out, lse = call(case, gluon=1, num_splits=1)
     check(case, out, lse, atol=atol_for(params["dtype"]), lse_atol=2e-2)
 

@@ -12,7 +12,8 @@ GQA packing exactly as in ``triton_backend``. Its warps are split (``gl.warp_spe
   released stage ``t % stages`` (``kv_empty``), gather the tile's K and V rows with ``cp.async``
   (page ids from the block table, clamped; any page size and page strides; ragged rows; rows past
   the tile's key range zero-filled) and arrive on ``kv_full`` when their copies land (``cp.async
-  .mbarrier.arrive.noinc``, one arrival per load thread);
+  .mbarrier.arrive.noinc``, one arrival per load thread); with ``Config.tma`` (off by default, not
+  yet run on a GPU) tiles wholly below ``kv_len`` arrive as bulk-tensor (TMA) copies instead;
 * **consumer warpgroups** (``consumers`` x 4 warps, 64 rows each): load their Q rows into shared
   memory once, then per tile ``j``: wait ``kv_full``, issue ``S_j = Q K_j^T`` and ``O += P_{j-1}
   V_{j-1}`` as asynchronous wgmmas, wait for ``S_j`` only, run the online softmax of tile ``j`` while
@@ -45,9 +46,11 @@ try:
         async_copy,
         fence_async_shared,
         mbarrier,
+        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     _IMPORT_ERROR: str | None = None
 except Exception as exc:  # pragma: no cover - depends on the Triton build
@@ -85,26 +88,23 @@ if gluon is not None:
         return p, m_new, l_i, alpha
 
     @gluon.jit
-    def _load_partition(
+    def _gather_kv(
+        k_buf,
+        v_buf,
+        t,
+        hi,
         args,
         PAGE_SIZE: gl.constexpr,
         BLOCK_N: gl.constexpr,
         D: gl.constexpr,
-        STAGES: gl.constexpr,
         LD: gl.constexpr,
         DBG: gl.constexpr,
     ):
-        """Load warps: gather K/V tile t into stage t % STAGES once every consumer released it."""
+        """cp.async copies of key tile t's K and V rows (rows at or past ``hi`` zero-filled)."""
         (
-            k_smem,
-            v_smem,
-            kv_full,
-            kv_empty,
             K,
             V,
             BT_row,
-            hi,
-            n_tiles,
             kv_head,
             k_start,
             v_start,
@@ -116,33 +116,137 @@ if gluon is not None:
             stride_vh,
             stride_vs,
         ) = args
+        cols = t * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, LD))
+        ok = cols < hi
+        if PAGE_SIZE == 0:
+            k_off = (k_start + cols).to(gl.int64) * stride_kn
+            v_off = (v_start + cols).to(gl.int64) * stride_vn
+        else:
+            page = gl.load(BT_row + cols // PAGE_SIZE, mask=ok, other=0)
+            page = gl.minimum(gl.maximum(page, 0), num_pages - 1).to(gl.int64)
+            slot = cols % PAGE_SIZE
+            k_off = page * stride_kn + slot * stride_ks
+            v_off = page * stride_vn + slot * stride_vs
+        k_off = k_off + kv_head * stride_kh
+        v_off = v_off + kv_head * stride_vh
+        d = gl.arange(0, D, gl.SliceLayout(0, LD))
+        if (DBG & 1) == 0:
+            async_copy.async_copy_global_to_shared(k_buf, K + k_off[:, None] + d[None, :], mask=ok[:, None])
+            if (DBG & 4) == 0:
+                async_copy.async_copy_global_to_shared(
+                    v_buf, V + v_off[:, None] + d[None, :], mask=ok[:, None]
+                )
+
+    @gluon.jit
+    def _tma_rows(
+        t,
+        p,
+        base,
+        head_off,
+        page_rows,
+        BT_row,
+        kv_head,
+        num_pages,
+        PAGE_SIZE: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        PAGE_BOX: gl.constexpr,
+        HEAD_ROWS: gl.constexpr,
+    ):
+        """TMA coordinates (row, column) of box p of key tile t in a cache's 2-D view."""
+        pos = t * BLOCK_N + p * PAGE_BOX
+        if PAGE_SIZE == 0:
+            row = base + pos
+        else:
+            page = gl.load(BT_row + pos // PAGE_SIZE)
+            page = gl.minimum(gl.maximum(page, 0), num_pages - 1)
+            row = page * page_rows + pos % PAGE_SIZE
+        if HEAD_ROWS:
+            return row + kv_head * head_off, 0
+        return row, kv_head * head_off
+
+    @gluon.jit
+    def _load_partition(
+        args,
+        gather,
+        k_desc,
+        v_desc,
+        tma_ints,
+        PAGE_SIZE: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        D: gl.constexpr,
+        STAGES: gl.constexpr,
+        LD: gl.constexpr,
+        DBG: gl.constexpr,
+        USE_TMA: gl.constexpr,
+        PAGE_BOX: gl.constexpr,
+        K_HEAD_ROWS: gl.constexpr,
+        V_HEAD_ROWS: gl.constexpr,
+    ):
+        """Load warps: fill stage t % STAGES with key tile t once every consumer released it.
+
+        cp.async mode: every load thread gathers rows and arrives when its own copies land (barrier
+        count = load threads). TMA mode (barrier count 1): tiles wholly below kv_len arrive as
+        bulk-tensor copies of PAGE_BOX rows each, completing on the barrier's byte count; the tile
+        that crosses kv_len is gathered with cp.async (rows past the keys zero-filled, so stale
+        cache slots never reach the PV GEMM) and signalled once all load threads' copies landed."""
+        k_smem, v_smem, kv_full, kv_empty, hi, n_tiles, kv_len = args
+        BT_row = gather[2]
+        kv_head = gather[3]
+        k_start = gather[4]
+        v_start = gather[5]
+        num_pages = gather[6]
+        k_page_rows, k_head_off, v_page_rows, v_head_off = tma_ints
         for t in range(n_tiles):
             s = t % STAGES
             mbarrier.wait(kv_empty.index(s), ((t // STAGES) & 1) ^ 1)
-            cols = t * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, LD))
-            ok = cols < hi
-            if PAGE_SIZE == 0:
-                k_off = (k_start + cols).to(gl.int64) * stride_kn
-                v_off = (v_start + cols).to(gl.int64) * stride_vn
-            else:
-                page = gl.load(BT_row + cols // PAGE_SIZE, mask=ok, other=0)
-                page = gl.minimum(gl.maximum(page, 0), num_pages - 1).to(gl.int64)
-                slot = cols % PAGE_SIZE
-                k_off = page * stride_kn + slot * stride_ks
-                v_off = page * stride_vn + slot * stride_vs
-            k_off = k_off + kv_head * stride_kh
-            v_off = v_off + kv_head * stride_vh
-            d = gl.arange(0, D, gl.SliceLayout(0, LD))
-            if (DBG & 1) == 0:
-                async_copy.async_copy_global_to_shared(
-                    k_smem.index(s), K + k_off[:, None] + d[None, :], mask=ok[:, None]
-                )
-                if (DBG & 4) == 0:
-                    async_copy.async_copy_global_to_shared(
-                        v_smem.index(s), V + v_off[:, None] + d[None, :], mask=ok[:, None]
+            if USE_TMA:
+                if (t + 1) * BLOCK_N <= kv_len:
+                    mbarrier.expect(kv_full.index(s), 4 * BLOCK_N * D)
+                    for p in gl.static_range(BLOCK_N // PAGE_BOX):
+                        kr, kc = _tma_rows(
+                            t,
+                            p,
+                            k_start,
+                            k_head_off,
+                            k_page_rows,
+                            BT_row,
+                            kv_head,
+                            num_pages,
+                            PAGE_SIZE,
+                            BLOCK_N,
+                            PAGE_BOX,
+                            K_HEAD_ROWS,
+                        )
+                        tma.async_copy_global_to_shared(
+                            k_desc, [kr, kc], kv_full.index(s), k_smem.index(s).slice(p * PAGE_BOX, PAGE_BOX)
+                        )
+                        vr, vc = _tma_rows(
+                            t,
+                            p,
+                            v_start,
+                            v_head_off,
+                            v_page_rows,
+                            BT_row,
+                            kv_head,
+                            num_pages,
+                            PAGE_SIZE,
+                            BLOCK_N,
+                            PAGE_BOX,
+                            V_HEAD_ROWS,
+                        )
+                        tma.async_copy_global_to_shared(
+                            v_desc, [vr, vc], kv_full.index(s), v_smem.index(s).slice(p * PAGE_BOX, PAGE_BOX)
+                        )
+                else:
+                    _gather_kv(
+                        k_smem.index(s), v_smem.index(s), t, hi, gather, PAGE_SIZE, BLOCK_N, D, LD, DBG
                     )
-            # every load thread arrives once its own copies have landed (barrier count = load threads)
-            async_copy.mbarrier_arrive(kv_full.index(s), increment_count=False)
+                    async_copy.commit_group()
+                    async_copy.wait_group(0)
+                    mbarrier.arrive(kv_full.index(s))  # after a barrier of the load warps: all copies landed
+            else:
+                _gather_kv(k_smem.index(s), v_smem.index(s), t, hi, gather, PAGE_SIZE, BLOCK_N, D, LD, DBG)
+                async_copy.mbarrier_arrive(kv_full.index(s), increment_count=False)
 
     @gluon.jit
     def _consumer_partition(
@@ -299,6 +403,12 @@ if gluon is not None:
         stride_ot,
         stride_oh,
         num_heads_q,
+        k_desc,
+        v_desc,
+        k_page_rows,
+        k_head_off,
+        v_page_rows,
+        v_head_off,
         GROUP: gl.constexpr,
         PAGE_SIZE: gl.constexpr,
         D: gl.constexpr,
@@ -312,6 +422,10 @@ if gluon is not None:
         LOAD_REGS: gl.constexpr,
         NC: gl.constexpr,
         DBG: gl.constexpr,
+        USE_TMA: gl.constexpr,
+        PAGE_BOX: gl.constexpr,
+        K_HEAD_ROWS: gl.constexpr,
+        V_HEAD_ROWS: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each (BLOCK_M = 64 * NC); the
@@ -359,7 +473,7 @@ if gluon is not None:
         kv_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
-            mbarrier.init(kv_full.index(i), count=LOAD_WARPS * 32)
+            mbarrier.init(kv_full.index(i), count=1 if USE_TMA else LOAD_WARPS * 32)
             mbarrier.init(kv_empty.index(i), count=NC)
         fence_async_shared()
 
@@ -403,16 +517,11 @@ if gluon is not None:
             stride_oh,
             num_heads_q,
         )
-        load = (
-            k_smem,
-            v_smem,
-            kv_full,
-            kv_empty,
+        load = (k_smem, v_smem, kv_full, kv_empty, hi, n_tiles, kv_len)
+        gather = (
             K,
             V,
             BT_row,
-            hi,
-            n_tiles,
             kv_head,
             k_start,
             v_start,
@@ -423,6 +532,12 @@ if gluon is not None:
             stride_vn,
             stride_vh,
             stride_vs,
+        )
+        tma_ints = (
+            gl.to_tensor(k_page_rows),
+            gl.to_tensor(k_head_off),
+            gl.to_tensor(v_page_rows),
+            gl.to_tensor(v_head_off),
         )
         # (constexprs are written inline: a tuple variable holding them would be lowered as tensors)
         R1: gl.constexpr = SUB_M
@@ -435,7 +550,26 @@ if gluon is not None:
                         (cons, ZERO, GROUP, D, SUB_M, BLOCK_N, STAGES, CAUSAL, HAS_LSE, DBG),
                     ),
                     (_consumer_partition, (cons, R1, GROUP, D, SUB_M, BLOCK_N, STAGES, CAUSAL, HAS_LSE, DBG)),
-                    (_load_partition, (load, PAGE_SIZE, BLOCK_N, D, STAGES, LD_W, DBG)),
+                    (
+                        _load_partition,
+                        (
+                            load,
+                            gather,
+                            k_desc,
+                            v_desc,
+                            tma_ints,
+                            PAGE_SIZE,
+                            BLOCK_N,
+                            D,
+                            STAGES,
+                            LD_W,
+                            DBG,
+                            USE_TMA,
+                            PAGE_BOX,
+                            K_HEAD_ROWS,
+                            V_HEAD_ROWS,
+                        ),
+                    ),
                 ],
                 [4, LOAD_WARPS],
                 [CONS_REGS, LOAD_REGS],
@@ -449,7 +583,26 @@ if gluon is not None:
                     ),
                     (_consumer_partition, (cons, R1, GROUP, D, SUB_M, BLOCK_N, STAGES, CAUSAL, HAS_LSE, DBG)),
                     (_consumer_partition, (cons, R2, GROUP, D, SUB_M, BLOCK_N, STAGES, CAUSAL, HAS_LSE, DBG)),
-                    (_load_partition, (load, PAGE_SIZE, BLOCK_N, D, STAGES, LD_W, DBG)),
+                    (
+                        _load_partition,
+                        (
+                            load,
+                            gather,
+                            k_desc,
+                            v_desc,
+                            tma_ints,
+                            PAGE_SIZE,
+                            BLOCK_N,
+                            D,
+                            STAGES,
+                            LD_W,
+                            DBG,
+                            USE_TMA,
+                            PAGE_BOX,
+                            K_HEAD_ROWS,
+                            V_HEAD_ROWS,
+                        ),
+                    ),
                 ],
                 [4, 4, LOAD_WARPS],
                 [CONS_REGS, CONS_REGS, LOAD_REGS],
@@ -491,6 +644,7 @@ class Config:
     load_warps: int = 4
     consumer_regs: int = 144
     load_regs: int = 80
+    tma: int = 0  # 1: bulk-tensor (TMA) copies for whole tiles where the cache allows (not yet run on a GPU)
 
     @property
     def BLOCK_M(self) -> int:
@@ -524,6 +678,57 @@ def config() -> Config:
     return cfg
 
 
+def _tma_view(t: torch.Tensor, batch: PrefillBatch, box_rows: int):
+    """A 2-D view of a K or V cache for TMA boxes of ``[box_rows, D]``: ``(descriptor, page_rows,
+    head_off, head_in_rows)``, or None when the strides do not allow one.
+
+    Row ``page * page_rows + slot`` (paged) or ``start + key`` (ragged) holds the head-0 key row; a
+    head is ``head_off`` rows further (HND-like layouts) or ``head_off`` elements to the right
+    (NHD-like layouts, where all heads of a token share a row).
+    """
+    d, h = batch.head_dim_qk, batch.num_kv_heads
+    if batch.paged:
+        sp, sh, st = t.stride(0), t.stride(1), t.stride(2)
+    else:
+        sp, sh, st = 0, t.stride(1), t.stride(0)
+    if t.data_ptr() % 16 or t.stride(-1) != 1 or (st * t.element_size()) % 16 or st < d:
+        return None
+    if h == 1 or (sh >= st and sh % st == 0):
+        head_rows, head_off, cols = True, (sh // st if h > 1 else 0), d
+    elif (h - 1) * sh + d <= st:
+        head_rows, head_off, cols = False, sh, st
+    else:
+        return None
+    if batch.paged:
+        if sp % st:
+            return None
+        page_rows = sp // st
+        rows = (t.shape[0] - 1) * page_rows + batch.page_size
+    else:
+        page_rows = 0
+        rows = t.shape[0]
+    rows += (h - 1) * head_off if head_rows else 0
+    if rows >= 2**31:
+        return None
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    desc = TensorDescriptor(t, [rows, cols], [st, 1], [box_rows, d], layout)
+    return desc, page_rows, head_off, head_rows
+
+
+def _tma_plan(batch: PrefillBatch, cfg: Config):
+    """``(box_rows, k_view, v_view)`` when this call's whole tiles can arrive by TMA, else None."""
+    if not cfg.tma:
+        return None
+    if batch.paged:
+        box = min(batch.page_size, cfg.BLOCK_N)
+        if batch.page_size < 16 or batch.page_size % box or cfg.BLOCK_N % box:
+            return None
+    else:
+        box = cfg.BLOCK_N
+    kv = _tma_view(batch.k, batch, box), _tma_view(batch.v, batch, box)
+    return None if None in kv else (box, *kv)
+
+
 def num_m_blocks(batch: PrefillBatch, cfg: Config) -> int:
     return -(-batch.max_q * batch.group_size // cfg.BLOCK_M)
 
@@ -545,6 +750,12 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
         kstr = (k.stride(0), k.stride(1), 0)
         vstr = (v.stride(0), v.stride(1), 0)
     n_m = num_m_blocks(batch, cfg)
+    tma_plan = _tma_plan(batch, cfg)
+    if tma_plan:
+        _, k_tma, v_tma = tma_plan
+        tma_ints = (k_tma[1], k_tma[2], v_tma[1], v_tma[2])
+    else:
+        tma_ints = (0, 0, 0, 0)
     plans = []
     for b0 in range(0, bsz, GRID_LIMIT):
         nb = min(GRID_LIMIT, bsz - b0)
@@ -572,6 +783,9 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
                 out.stride(0),
                 out.stride(1),
                 batch.num_qo_heads,
+                k_tma[0] if tma_plan else None,
+                v_tma[0] if tma_plan else None,
+                *tma_ints,
             )
             kwargs = dict(
                 GROUP=batch.group_size,
@@ -587,6 +801,10 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
                 LOAD_REGS=cfg.load_regs,
                 NC=cfg.consumers,
                 DBG=DIAGNOSTIC_SKIP,
+                USE_TMA=bool(tma_plan),
+                PAGE_BOX=tma_plan[0] if tma_plan else 0,
+                K_HEAD_ROWS=bool(tma_plan and k_tma[3]),
+                V_HEAD_ROWS=bool(tma_plan and v_tma[3]),
                 num_warps=4,
             )
             plans.append((_attention_kernel, (hkv, nb, nz), args, kwargs))
