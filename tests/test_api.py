@@ -314,6 +314,12 @@ def test_kv_length_beyond_block_table_reach():
     assert "12" in msg and "13" in msg
 
 
+def test_paged_cache_without_pages():
+    kw = paged()
+    empty = {n: kw[n][:0] for n in ("k_cache", "v_cache")}
+    expect_value_error(with_(kw, **empty), "k_cache", "at least one page")
+
+
 def test_block_table_rows_differ_from_batch():
     kw = paged()
     expect_value_error(with_(kw, block_tables=kw["block_tables"][:1]), "block_tables", "2 rows")

@@ -34,9 +34,17 @@ def test_config_env_knobs(monkeypatch):
     monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", "stagez=4")
     with pytest.raises(ValueError, match="unknown knob 'stagez'"):
         gs.config()
-    monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", "consumers=4")
-    with pytest.raises(ValueError, match="consumers must be 2 or 3"):
-        gs.config()
+    for bad, msg in (
+        ("consumers=4", "consumers must be 2 or 3"),
+        ("stages=1", "stages must be >= 2"),
+        ("BLOCK_N=48", "BLOCK_N must be"),
+        ("load_warps=3", "load_warps must be"),
+        ("consumer_regs=150", "multiples of 8"),
+        ("consumer_regs=160,load_regs=96", "registers over budget"),
+    ):
+        monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", bad)
+        with pytest.raises(ValueError, match=msg):
+            gs.config()
     with pytest.raises(ValueError, match="gluon must be 0 or 1"):
         with tb.config_override(gluon=2):
             pass
@@ -47,6 +55,29 @@ def test_not_used_off_the_gpu():
     batch = direct_batch(case)
     assert gs.unavailable_reason(batch) == "not a CUDA device"
     assert not tb.use_gluon(batch, 1)
+
+
+def test_strides_cp_async_cannot_prove_are_refused():
+    """A stride of 8 (mod 16) elements is 16-byte aligned, but Triton can only prove 2 bytes: refused."""
+    case = make_case(1, lens_q=[5], lens_kv=[9], hq=4, hkv=2, dqk=128, page_size=0, dtype=torch.float16)
+    kw = case.kwargs
+    for name in ("k_cache", "v_cache"):
+        t = kw[name]
+        wide = torch.zeros(t.shape[0], t.shape[1], 136, dtype=t.dtype)[:, :, :128]  # head stride 136
+        wide.copy_(t)
+        kw[name] = wide
+    assert "multiples of 16" in gs.unavailable_reason(direct_batch(case))
+
+
+def test_diagnostic_skip_warns():
+    case = make_case(1, lens_q=[5], lens_kv=[9], hq=4, hkv=2, dqk=128, page_size=16, dtype=torch.float16)
+    batch = direct_batch(case)
+    gs.DIAGNOSTIC_SKIP = 1
+    try:
+        with pytest.warns(RuntimeWarning, match="results are wrong"):
+            gs.launch_plan(batch)
+    finally:
+        gs.DIAGNOSTIC_SKIP = 0
 
 
 _AOT = textwrap.dedent(

@@ -601,6 +601,8 @@ def _normalise(
         page_size = k.shape[2]
         if page_size == 0:
             raise _fail("k_cache", "page_size >= 1 (dim 2)", f"shape {tuple(k.shape)}")
+        if k.shape[0] == 0:  # kernels clamp page ids to [0, num_pages): there must be one
+            raise _fail("k_cache", "at least one page (dim 0)", f"shape {tuple(k.shape)}")
     else:
         page_size = 0
 

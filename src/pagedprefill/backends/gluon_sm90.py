@@ -33,6 +33,7 @@ everything else take the Triton kernel. Design notes and measurements: ``docs/tr
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -124,11 +125,11 @@ if gluon is not None:
         else:
             page = gl.load(BT_row + cols // PAGE_SIZE, mask=ok, other=0)
             page = gl.minimum(gl.maximum(page, 0), num_pages - 1).to(gl.int64)
-            slot = cols % PAGE_SIZE
+            slot = (cols % PAGE_SIZE).to(gl.int64)
             k_off = page * stride_kn + slot * stride_ks
             v_off = page * stride_vn + slot * stride_vs
-        k_off = k_off + kv_head * stride_kh
-        v_off = v_off + kv_head * stride_vh
+        k_off = k_off + kv_head.to(gl.int64) * stride_kh
+        v_off = v_off + kv_head.to(gl.int64) * stride_vh
         d = gl.arange(0, D, gl.SliceLayout(0, LD))
         if (DBG & 1) == 0:
             async_copy.async_copy_global_to_shared(k_buf, K + k_off[:, None] + d[None, :], mask=ok[:, None])
@@ -613,10 +614,6 @@ def unavailable_reason(batch: PrefillBatch) -> str | None:
     """Why this kernel cannot serve the call (None when it can)."""
     if gluon is None:
         return f"Gluon is not importable: {_IMPORT_ERROR}"
-    if batch.device.type != "cuda":
-        return "not a CUDA device"
-    if torch.cuda.get_device_capability(batch.device) != (9, 0):
-        return "the Gluon kernel is written for sm_90 (wgmma)"
     dt = batch.q.dtype
     if dt not in (torch.float16, torch.bfloat16) or batch.k.dtype != dt or batch.v.dtype != dt:
         return "q, k and v must share one 16-bit dtype"
@@ -624,9 +621,17 @@ def unavailable_reason(batch: PrefillBatch) -> str | None:
         return "head dims other than Dqk = Dvo in {64, 128}"
     if not batch.scale > 0 or any(x is not None for x in (batch.q_scale, batch.k_scale, batch.v_scale)):
         return "scale tensors or a non-positive scale"
-    for name, t in (("k", batch.k), ("v", batch.v)):  # cp.async copies 16-byte rows
-        if t.data_ptr() % 16 or t.stride(-1) != 1 or any(st % 8 for st in t.stride()[:-1]):
-            return f"{name} rows are not 16-byte aligned (cp.async)"
+    # cp.async copies 16-byte chunks, and Triton proves an integer's alignment only as "divisible by
+    # 16": every K/V stride must be a multiple of 16 elements
+    for name, t in (("k", batch.k), ("v", batch.v)):
+        if t.data_ptr() % 16 or t.stride(-1) != 1 or any(st % 16 for st in t.stride()[:-1]):
+            return (
+                f"{name} strides are not multiples of 16 elements, or its rows not 16-byte aligned (cp.async)"
+            )
+    if batch.device.type != "cuda":
+        return "not a CUDA device"
+    if torch.cuda.get_device_capability(batch.device) != (9, 0):
+        return "the Gluon kernel is written for sm_90 (wgmma)"
     return None
 
 
@@ -673,8 +678,21 @@ def config() -> Config:
             )
         over[key] = int(val)
     cfg = replace(DEFAULT, **over)
+    why = None
     if cfg.consumers not in (2, 3):
-        raise ValueError(f"PAGEDPREFILL_GLUON_CONFIG: consumers must be 2 or 3, got {cfg.consumers}")
+        why = f"consumers must be 2 or 3, got {cfg.consumers}"
+    elif cfg.stages < 2:  # one stage deadlocks: a consumer waits for the tile its own release unblocks
+        why = f"stages must be >= 2, got {cfg.stages}"
+    elif cfg.BLOCK_N not in (16, 32, 64, 128):
+        why = f"BLOCK_N must be 16, 32, 64 or 128, got {cfg.BLOCK_N}"
+    elif cfg.load_warps not in (2, 4, 8):
+        why = f"load_warps must be 2, 4 or 8, got {cfg.load_warps}"
+    elif any(r % 8 or not 24 <= r <= 256 for r in (cfg.consumer_regs, cfg.load_regs)):
+        why = "consumer_regs and load_regs must be multiples of 8 in [24, 256]"
+    elif 128 * cfg.consumers * cfg.consumer_regs + 32 * cfg.load_warps * cfg.load_regs > 65536:
+        why = "registers over budget: 128 * consumers * consumer_regs + 32 * load_warps * load_regs > 65536"
+    if why:
+        raise ValueError(f"PAGEDPREFILL_GLUON_CONFIG: {why}")
     return cfg
 
 
@@ -736,6 +754,12 @@ def num_m_blocks(batch: PrefillBatch, cfg: Config) -> int:
 def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
     """The launches of one call: a list of ``(kernel, grid, args, kwargs)``. Reads no device data."""
     cfg = config() if cfg is None else cfg
+    if DIAGNOSTIC_SKIP:
+        warnings.warn(
+            f"gluon_sm90.DIAGNOSTIC_SKIP={DIAGNOSTIC_SKIP}: the Gluon kernel skips work, results are wrong",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     bsz, hkv = batch.batch_size, batch.num_kv_heads
     if bsz == 0 or batch.max_q == 0:
         return []

@@ -281,10 +281,11 @@ if triton is not None:
             else:
                 page = tl.load(BT_row + cols // PAGE_SIZE)
             page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
-            slot = cols % PAGE_SIZE
+            slot = (cols % PAGE_SIZE).to(tl.int64)
             k_off = page * stride_kn + slot * stride_ks
             v_off = page * stride_vn + slot * stride_vs
-        return k_off + kv_head * stride_kh, v_off + kv_head * stride_vh
+        head = kv_head.to(tl.int64)  # Hkv * head stride may pass 2^31 (heads outermost)
+        return k_off + head * stride_kh, v_off + head * stride_vh
 
     @triton.jit
     def _attend_tile(
