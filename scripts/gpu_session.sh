@@ -28,7 +28,7 @@ for s in $steps; do
            for c in "" "tma=1"; do
              echo "PAGEDPREFILL_GLUON_CONFIG=$c"
              PAGEDPREFILL_GLUON_CONFIG=$c timeout 150 python3 scripts/tune_triton.py --graph --configs "gluon=0;gluon=1" \
-               --workloads llama8b_b1_q16k,noncausal_b8_q2k,llama8b_b16_q1k,page64_b16_q1k,chunked_b8_q512_p7680 2>&1 \
+               --workloads llama8b_b1_q16k,noncausal_b8_q2k,llama8b_b16_q1k,page64_b16_q1k,chunked_b8_q512_p7680,page1_b16_q1k 2>&1 \
                | grep -A12 SUMMARY
            done 2>&1 | tee "$OUT/gluon-probe.log" ;;
     profile) timeout 120 python3 scripts/host_profile.py llama8b_b16_q1k cudnn triton 2>&1 | tee "$OUT/profile.log" | grep -A6 "host us" ;;
