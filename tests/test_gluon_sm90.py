@@ -187,6 +187,13 @@ def test_tma_view_addresses_every_key_row(layout, page_size):
                     assert t.data_ptr() + (row * st + col) * esz == want.data_ptr()
 
 
+def test_tma_plan_empty_ragged_cache_uses_cp_async():
+    case = make_case(2, lens_q=[0, 4], lens_kv=[0, 0], hq=8, hkv=4, dqk=64, page_size=0, dtype=torch.bfloat16)
+    batch = direct_batch(case)
+    assert batch.k.shape[0] == 0
+    assert gs._tma_plan(batch, gs.Config(tma=1)) is None
+
+
 def test_tma_plan_refuses_small_pages_and_is_off_by_default():
     case = make_case(2, lens_q=[3], lens_kv=[40], hq=8, hkv=4, dqk=64, page_size=8, dtype=torch.bfloat16)
     assert gs._tma_plan(direct_batch(case), gs.Config(tma=1)) is None
@@ -228,7 +235,8 @@ def test_gpu_random_grid_tma(seed, monkeypatch):
     params = gluon_params(seed)
     params["page_size"] = random.Random(seed).choice([0, 16, 32, 64])
     case = make_case(seed, **params)
-    assert gs._tma_plan(direct_batch(case), gs.config()) is not None
+    batch = direct_batch(case)
+    assert gs._tma_plan(batch, gs.config()) is not None or batch.k.shape[0] == 0  # empty ragged cache
     out, lse = call(case, gluon=1, num_splits=1)
     check(case, out, lse, atol=atol_for(params["dtype"]), lse_atol=2e-2)
 

@@ -139,28 +139,8 @@ if gluon is not None:
                 )
 
     @gluon.jit
-    def _tma_rows(
-        t,
-        p,
-        base,
-        head_off,
-        page_rows,
-        BT_row,
-        kv_head,
-        num_pages,
-        PAGE_SIZE: gl.constexpr,
-        BLOCK_N: gl.constexpr,
-        PAGE_BOX: gl.constexpr,
-        HEAD_ROWS: gl.constexpr,
-    ):
-        """TMA coordinates (row, column) of box p of key tile t in a cache's 2-D view."""
-        pos = t * BLOCK_N + p * PAGE_BOX
-        if PAGE_SIZE == 0:
-            row = base + pos
-        else:
-            page = gl.load(BT_row + pos // PAGE_SIZE)
-            page = gl.minimum(gl.maximum(page, 0), num_pages - 1)
-            row = page * page_rows + pos % PAGE_SIZE
+    def _tma_coords(row, kv_head, head_off, HEAD_ROWS: gl.constexpr):
+        """(row, column) of a head's key row in a cache's 2-D TMA view, from the head-0 row."""
         if HEAD_ROWS:
             return row + kv_head * head_off, 0
         return row, kv_head * head_off
@@ -202,42 +182,28 @@ if gluon is not None:
             mbarrier.wait(kv_empty.index(s), ((t // STAGES) & 1) ^ 1)
             if USE_TMA:
                 if (t + 1) * BLOCK_N <= kv_len:
-                    mbarrier.expect(kv_full.index(s), 4 * BLOCK_N * D)
+                    if (DBG & 1) != 0:  # diagnostics: no copies
+                        mbarrier.arrive(kv_full.index(s))
+                    else:
+                        mbarrier.expect(kv_full.index(s), (2 if (DBG & 4) != 0 else 4) * BLOCK_N * D)
                     for p in gl.static_range(BLOCK_N // PAGE_BOX):
-                        kr, kc = _tma_rows(
-                            t,
-                            p,
-                            k_start,
-                            k_head_off,
-                            k_page_rows,
-                            BT_row,
-                            kv_head,
-                            num_pages,
-                            PAGE_SIZE,
-                            BLOCK_N,
-                            PAGE_BOX,
-                            K_HEAD_ROWS,
-                        )
-                        tma.async_copy_global_to_shared(
-                            k_desc, [kr, kc], kv_full.index(s), k_smem.index(s).slice(p * PAGE_BOX, PAGE_BOX)
-                        )
-                        vr, vc = _tma_rows(
-                            t,
-                            p,
-                            v_start,
-                            v_head_off,
-                            v_page_rows,
-                            BT_row,
-                            kv_head,
-                            num_pages,
-                            PAGE_SIZE,
-                            BLOCK_N,
-                            PAGE_BOX,
-                            V_HEAD_ROWS,
-                        )
-                        tma.async_copy_global_to_shared(
-                            v_desc, [vr, vc], kv_full.index(s), v_smem.index(s).slice(p * PAGE_BOX, PAGE_BOX)
-                        )
+                        pos = t * BLOCK_N + p * PAGE_BOX  # one box never crosses a page
+                        if PAGE_SIZE == 0:
+                            k_row = k_start + pos
+                            v_row = v_start + pos
+                        else:
+                            page = gl.load(BT_row + pos // PAGE_SIZE)
+                            page = gl.minimum(gl.maximum(page, 0), num_pages - 1)
+                            k_row = page * k_page_rows + pos % PAGE_SIZE
+                            v_row = page * v_page_rows + pos % PAGE_SIZE
+                        kr, kc = _tma_coords(k_row, kv_head, k_head_off, K_HEAD_ROWS)
+                        vr, vc = _tma_coords(v_row, kv_head, v_head_off, V_HEAD_ROWS)
+                        k_dst = k_smem.index(s).slice(p * PAGE_BOX, PAGE_BOX)
+                        v_dst = v_smem.index(s).slice(p * PAGE_BOX, PAGE_BOX)
+                        if (DBG & 1) == 0:
+                            tma.async_copy_global_to_shared(k_desc, [kr, kc], kv_full.index(s), k_dst)
+                            if (DBG & 4) == 0:
+                                tma.async_copy_global_to_shared(v_desc, [vr, vc], kv_full.index(s), v_dst)
                 else:
                     _gather_kv(
                         k_smem.index(s), v_smem.index(s), t, hi, gather, PAGE_SIZE, BLOCK_N, D, LD, DBG
@@ -726,7 +692,7 @@ def _tma_view(t: torch.Tensor, batch: PrefillBatch, box_rows: int):
         page_rows = 0
         rows = t.shape[0]
     rows += (h - 1) * head_off if head_rows else 0
-    if rows >= 2**31:
+    if rows <= 0 or rows >= 2**31:  # an empty cache (no TMA needed), or past int32 coordinates
         return None
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     desc = TensorDescriptor(t, [rows, cols], [st, 1], [box_rows, d], layout)
