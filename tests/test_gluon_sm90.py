@@ -201,6 +201,45 @@ def test_tma_plan_refuses_small_pages_and_is_off_by_default():
     assert gs._tma_plan(direct_batch(case16), gs.DEFAULT) is None
 
 
+def test_fast_launch_key_is_finer_than_tritons_with_descriptors(monkeypatch):
+    """TMA mode's launches (tensor descriptors among the arguments) go through fast_launch: over
+    randomly varied descriptors (shape, strides, base alignment) and runtime ints, one fast_launch
+    key always means one Triton cache key (Triton's real binder, sm_90 target, no GPU)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import compute_cache_key, create_function_from_signature
+
+    monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", "tma=1")
+    backend = make_backend(GPUTarget("cuda", 90, 128))
+    case = make_case(
+        5, lens_q=[5, 9], lens_kv=[40, 70], hq=8, hkv=2, dqk=128, page_size=16, dtype=torch.float16
+    )
+    (kernel, _grid, args, kwargs), *_ = gs.launch_plan(direct_batch(case))
+    assert kwargs["USE_TMA"] and any(type(a) is gs.TensorDescriptor for a in args)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    r = random.Random(0)
+    ints = [0, 1, 2, 16, 17, 2**31 - 16, 2**31]
+    buf = torch.zeros(1 << 16, dtype=torch.float16)
+    seen: dict = {}
+    for _ in range(400):
+        new = []
+        for a in args:
+            if type(a) is int and r.random() < 0.3:
+                a = r.choice(ints)
+            elif type(a) is gs.TensorDescriptor and r.random() < 0.5:
+                cols = r.choice([128, 256, 1024])
+                rows = r.randint(1, (1 << 16) // cols)
+                stride = cols + r.choice([0, 8, 64])
+                rows = max(1, min(rows, ((1 << 16) - cols) // stride))
+                a = gs.TensorDescriptor(buf, [rows, cols], [stride, 1], a.block_shape, a.layout)
+            new.append(a)
+        ours = (tb._kwargs_key(kwargs), tuple(tb._spec_of(a) for a in new))
+        _bound, spec, options = binder(*new, **kwargs)
+        theirs = compute_cache_key({}, spec, options)
+        assert seen.setdefault(ours, theirs) == theirs
+    assert len(seen) > 1
+
+
 # --------------------------------------------------------------------------------------------
 # GPU
 # --------------------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ try:
     _IMPORT_ERROR: str | None = None
 except Exception as exc:  # pragma: no cover - depends on the Triton build
     gluon = None
+    TensorDescriptor = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 LOG2E = 1.4426950408889634

@@ -1171,7 +1171,9 @@ def _spec_of(a: object) -> object:
         return a
     if t is float:
         return float
-    raise _Uncacheable  # tuples, constexprs, descriptors, tensor-likes, ...
+    if t is gluon_sm90.TensorDescriptor:  # Triton specialises it on dtype, block shape and layout only
+        return (t, a.base.dtype, tuple(a.block_shape), a.layout, a.padding)
+    raise _Uncacheable  # tuples, constexprs, other descriptors, tensor-likes, ...
 
 
 def _kwargs_key(kwargs: dict) -> tuple:
