@@ -60,7 +60,6 @@ except Exception as exc:  # pragma: no cover - depends on the Triton build
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 LOG2E = 1.4426950408889634
-GRID_LIMIT = 65535
 
 
 if gluon is not None:
@@ -720,6 +719,8 @@ def num_m_blocks(batch: PrefillBatch, cfg: Config) -> int:
 
 def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
     """The launches of one call: a list of ``(kernel, grid, args, kwargs)``. Reads no device data."""
+    from pagedprefill.backends import triton_backend as tb  # (it imports this module)
+
     cfg = config() if cfg is None else cfg
     if DIAGNOSTIC_SKIP:
         warnings.warn(
@@ -734,12 +735,7 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
     meta = batch.meta
     bt = batch.block_tables if paged else meta
     k, v, q, out = batch.k, batch.v, batch.q, batch.out
-    if paged:
-        kstr = (k.stride(0), k.stride(1), k.stride(2))
-        vstr = (v.stride(0), v.stride(1), v.stride(2))
-    else:
-        kstr = (k.stride(0), k.stride(1), 0)
-        vstr = (v.stride(0), v.stride(1), 0)
+    kstr, vstr = tb.kv_strides(batch)
     n_m = num_m_blocks(batch, cfg)
     tma_plan = _tma_plan(batch, cfg)
     if tma_plan:
@@ -748,55 +744,52 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
     else:
         tma_ints = (0, 0, 0, 0)
     plans = []
-    for b0 in range(0, bsz, GRID_LIMIT):
-        nb = min(GRID_LIMIT, bsz - b0)
-        for z0 in range(0, n_m, GRID_LIMIT):
-            nz = min(GRID_LIMIT, n_m - z0)
-            args = (
-                q,
-                k,
-                v,
-                out,
-                batch.lse if batch.lse is not None else meta,
-                meta,
-                bt,
-                float(batch.scale) * LOG2E,
-                meta.stride(0),
-                b0,
-                z0,
-                n_m,
-                k.shape[0],
-                bt.stride(0) if paged else 0,
-                q.stride(0),
-                q.stride(1),
-                *kstr,
-                *vstr,
-                out.stride(0),
-                out.stride(1),
-                batch.num_qo_heads,
-                k_tma[0] if tma_plan else None,
-                v_tma[0] if tma_plan else None,
-                *tma_ints,
-            )
-            kwargs = dict(
-                GROUP=batch.group_size,
-                PAGE_SIZE=batch.page_size if paged else 0,
-                D=batch.head_dim_qk,
-                BLOCK_M=cfg.BLOCK_M,
-                BLOCK_N=cfg.BLOCK_N,
-                CAUSAL=bool(batch.causal),
-                HAS_LSE=batch.lse is not None,
-                STAGES=cfg.stages,
-                LOAD_WARPS=cfg.load_warps,
-                CONS_REGS=cfg.consumer_regs,
-                LOAD_REGS=cfg.load_regs,
-                NC=cfg.consumers,
-                DBG=DIAGNOSTIC_SKIP,
-                USE_TMA=bool(tma_plan),
-                PAGE_BOX=tma_plan[0] if tma_plan else 0,
-                K_HEAD_ROWS=bool(tma_plan and k_tma[3]),
-                V_HEAD_ROWS=bool(tma_plan and v_tma[3]),
-                num_warps=4,
-            )
-            plans.append((_attention_kernel, (hkv, nb, nz), args, kwargs))
+    for b0, nb, z0, nz in tb.grid_chunks(bsz, n_m):
+        args = (
+            q,
+            k,
+            v,
+            out,
+            batch.lse if batch.lse is not None else meta,
+            meta,
+            bt,
+            float(batch.scale) * LOG2E,
+            meta.stride(0),
+            b0,
+            z0,
+            n_m,
+            k.shape[0],
+            bt.stride(0) if paged else 0,
+            q.stride(0),
+            q.stride(1),
+            *kstr,
+            *vstr,
+            out.stride(0),
+            out.stride(1),
+            batch.num_qo_heads,
+            k_tma[0] if tma_plan else None,
+            v_tma[0] if tma_plan else None,
+            *tma_ints,
+        )
+        kwargs = dict(
+            GROUP=batch.group_size,
+            PAGE_SIZE=batch.page_size if paged else 0,
+            D=batch.head_dim_qk,
+            BLOCK_M=cfg.BLOCK_M,
+            BLOCK_N=cfg.BLOCK_N,
+            CAUSAL=bool(batch.causal),
+            HAS_LSE=batch.lse is not None,
+            STAGES=cfg.stages,
+            LOAD_WARPS=cfg.load_warps,
+            CONS_REGS=cfg.consumer_regs,
+            LOAD_REGS=cfg.load_regs,
+            NC=cfg.consumers,
+            DBG=DIAGNOSTIC_SKIP,
+            USE_TMA=bool(tma_plan),
+            PAGE_BOX=tma_plan[0] if tma_plan else 0,
+            K_HEAD_ROWS=bool(tma_plan and k_tma[3]),
+            V_HEAD_ROWS=bool(tma_plan and v_tma[3]),
+            num_warps=4,
+        )
+        plans.append((_attention_kernel, (hkv, nb, nz), args, kwargs))
     return plans

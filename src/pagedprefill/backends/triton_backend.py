@@ -938,6 +938,20 @@ def _partials_bytes(batch: PrefillBatch, splits: int) -> int:
     return rows * (batch.head_dim_vo + 1) * 4 + 256  # + alignment slack
 
 
+def kv_strides(batch: PrefillBatch) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(row or page, head, slot) element strides of K and V as the kernels take them (slot 0: ragged)."""
+    if batch.paged:
+        return batch.k.stride()[:3], batch.v.stride()[:3]
+    return (*batch.k.stride()[:2], 0), (*batch.v.stride()[:2], 0)
+
+
+def grid_chunks(n_y: int, n_z: int):
+    """``(y0, ny, z0, nz)`` pieces of a grid whose y and z extents may pass CUDA's 65535 limit."""
+    for y0 in range(0, n_y, GRID_LIMIT):
+        for z0 in range(0, n_z, GRID_LIMIT):
+            yield y0, min(GRID_LIMIT, n_y - y0), z0, min(GRID_LIMIT, n_z - z0)
+
+
 def launch_plan(batch: PrefillBatch, cfg: Config | None = None, num_splits: int | None = None):
     """Everything ``run`` launches: a list of ``(kernel, grid, args, kwargs)``.
 
@@ -957,12 +971,7 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None, num_splits: int 
     bt = batch.block_tables if paged else meta
     dummy = meta
     k, v, q, out = batch.k, batch.v, batch.q, batch.out
-    if paged:
-        kstr = (k.stride(0), k.stride(1), k.stride(2))
-        vstr = (v.stride(0), v.stride(1), v.stride(2))
-    else:
-        kstr = (k.stride(0), k.stride(1), 0)
-        vstr = (v.stride(0), v.stride(1), 0)
+    kstr, vstr = kv_strides(batch)
     if splits > 1:
         nbytes = _partials_bytes(batch, splits)
         if batch.scratch.numel() < nbytes:
@@ -981,68 +990,64 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None, num_splits: int 
     scale_neg_possible = batch.scale < 0 or batch.q_scale is not None or batch.k_scale is not None
     n_m = _num_m_blocks(batch, cfg)
     plans = []
-    for b0 in range(0, bsz, GRID_LIMIT):
-        nb = min(GRID_LIMIT, bsz - b0)
-        total_z = n_m * splits
-        for z0 in range(0, total_z, GRID_LIMIT):
-            nz = min(GRID_LIMIT, total_z - z0)
-            args = (
-                q,
-                k,
-                v,
-                out,
-                batch.lse if batch.lse is not None else dummy,
-                meta,
-                bt,
-                batch.q_scale if batch.q_scale is not None else dummy,
-                batch.k_scale if batch.k_scale is not None else dummy,
-                batch.v_scale if batch.v_scale is not None else dummy,
-                po,
-                pl,
-                float(batch.scale) * LOG2E,
-                meta.stride(0),
-                b0,
-                z0,
-                n_m,
-                k.shape[0],
-                bt.stride(0) if paged else 0,
-                q.stride(0),
-                q.stride(1),
-                *kstr,
-                *vstr,
-                out.stride(0),
-                out.stride(1),
-                batch.num_qo_heads,
-                batch.max_q,
-                splits,
-            )
-            kwargs = dict(
-                GROUP=g,
-                PAGE_SIZE=page_size,
-                PAGE_PER_TILE=bool(page_size and page_size % cfg.BLOCK_N == 0),
-                DQ0=dq0,
-                DQ1=dq1,
-                DQ1_REAL=dq1_real,
-                DV0=dv0,
-                DV1=dv1,
-                DV1_REAL=dv1_real,
-                BLOCK_M=cfg.BLOCK_M,
-                BLOCK_N=cfg.BLOCK_N,
-                CDT=_tl_dtype(cdt),
-                PREC="ieee" if cdt == torch.float32 else "tf32",
-                CAUSAL=bool(batch.causal),
-                HAS_LSE=batch.lse is not None and splits == 1,
-                HAS_Q_SCALE=batch.q_scale is not None,
-                HAS_K_SCALE=batch.k_scale is not None,
-                HAS_V_SCALE=batch.v_scale is not None and splits == 1,
-                MAYBE_NEG_SCALE=scale_neg_possible,
-                SPLIT=splits > 1,
-                WARP_SPEC=bool(cfg.warp_spec),
-                LAZY_RESCALE=bool(cfg.lazy),
-                num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages,
-            )
-            plans.append((_prefill_kernel, (hkv, nb, nz), args, kwargs))
+    for b0, nb, z0, nz in grid_chunks(bsz, n_m * splits):
+        args = (
+            q,
+            k,
+            v,
+            out,
+            batch.lse if batch.lse is not None else dummy,
+            meta,
+            bt,
+            batch.q_scale if batch.q_scale is not None else dummy,
+            batch.k_scale if batch.k_scale is not None else dummy,
+            batch.v_scale if batch.v_scale is not None else dummy,
+            po,
+            pl,
+            float(batch.scale) * LOG2E,
+            meta.stride(0),
+            b0,
+            z0,
+            n_m,
+            k.shape[0],
+            bt.stride(0) if paged else 0,
+            q.stride(0),
+            q.stride(1),
+            *kstr,
+            *vstr,
+            out.stride(0),
+            out.stride(1),
+            batch.num_qo_heads,
+            batch.max_q,
+            splits,
+        )
+        kwargs = dict(
+            GROUP=g,
+            PAGE_SIZE=page_size,
+            PAGE_PER_TILE=bool(page_size and page_size % cfg.BLOCK_N == 0),
+            DQ0=dq0,
+            DQ1=dq1,
+            DQ1_REAL=dq1_real,
+            DV0=dv0,
+            DV1=dv1,
+            DV1_REAL=dv1_real,
+            BLOCK_M=cfg.BLOCK_M,
+            BLOCK_N=cfg.BLOCK_N,
+            CDT=_tl_dtype(cdt),
+            PREC="ieee" if cdt == torch.float32 else "tf32",
+            CAUSAL=bool(batch.causal),
+            HAS_LSE=batch.lse is not None and splits == 1,
+            HAS_Q_SCALE=batch.q_scale is not None,
+            HAS_K_SCALE=batch.k_scale is not None,
+            HAS_V_SCALE=batch.v_scale is not None and splits == 1,
+            MAYBE_NEG_SCALE=scale_neg_possible,
+            SPLIT=splits > 1,
+            WARP_SPEC=bool(cfg.warp_spec),
+            LAZY_RESCALE=bool(cfg.lazy),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        plans.append((_prefill_kernel, (hkv, nb, nz), args, kwargs))
     if splits > 1:
         block_h = min(_pow2_ceil(batch.num_qo_heads), 16)
         nh = -(-batch.num_qo_heads // block_h)
