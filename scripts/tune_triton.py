@@ -1,7 +1,9 @@
 """Sweep the Triton kernel's launch knobs on the GPU, side by side with cuDNN, in one process.
 
-    python scripts/tune_triton.py --workloads llama8b_b1_q16k,page1_b16_q1k \
+    python scripts/tune_triton.py --workloads llama8b_b1_q16k,page1_b16_q1k:page_size=8 \
         --configs "128,64,8,3;128,128,8,2" [--graph]
+
+A workload is a name from workloads.json, optionally with ``:key=value`` overrides.
 
 Each config is ``BLOCK_M,BLOCK_N,num_warps,num_stages[,lazy[,num_splits]]`` or ``key=value`` pairs
 (e.g. ``gluon=0`` for the Triton kernel, ``gluon=1`` for the Gluon kernel; the Gluon kernel's own
@@ -76,7 +78,9 @@ def main() -> int:
     gluon_sm90.DIAGNOSTIC_SKIP = args.gluon_diag
     rows = []
     for name in args.workloads.split(","):
-        w = get_workload(name)
+        base, *over = name.split(":")  # e.g. page1_b16_q1k:page_size=8
+        w = get_workload(base)
+        w.update({k: int(v) for k, v in (o.split("=") for o in over)})
         kw = build_case(w, "cuda", lens_on_device=args.graph)
         gflop = flops(w) / 1e9
         ref = None

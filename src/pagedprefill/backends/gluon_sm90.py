@@ -32,6 +32,7 @@ everything else take the Triton kernel. Design notes and measurements: ``docs/tr
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from dataclasses import dataclass, fields, replace
@@ -146,9 +147,72 @@ if gluon is not None:
         return row, kv_head * head_off
 
     @gluon.jit
+    def _work_item(
+        item,
+        sched,
+        GROUP: gl.constexpr,
+        PAGE_SIZE: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        HAS_LSE: gl.constexpr,
+    ):
+        """Work item -> its sequence, KV head, row block and key range. Items run heaviest row block
+        first (``item // (Hkv * B)`` counts row blocks down from the last), so a program's static
+        stride through them (``range(pid, total, num_programs)``) balances causal work."""
+        META, BT, meta_stride, bt_stride, num_kv_heads, n_bh, num_m_blocks = sched
+        z = item // n_bh
+        rem = item - z * n_bh
+        b = rem // num_kv_heads
+        kv_head = rem - b * num_kv_heads
+        row0 = (num_m_blocks - 1 - z) * BLOCK_M
+        q_len = gl.load(META + b)
+        kv_len = gl.load(META + meta_stride + b)
+        q_start = gl.load(META + 2 * meta_stride + b)
+        o_start = gl.load(META + 3 * meta_stride + b)
+        lse_start = q_len * 0
+        if HAS_LSE:
+            lse_start = gl.load(META + 6 * meta_stride + b)
+        if PAGE_SIZE > 0:
+            BT_row = BT + b.to(gl.int64) * bt_stride
+            k_start = q_len * 0
+            v_start = q_len * 0
+        else:
+            BT_row = BT
+            k_start = gl.load(META + 4 * meta_stride + b)
+            v_start = gl.load(META + 5 * meta_stride + b)
+        if CAUSAL:
+            tok_hi = gl.minimum((row0 + BLOCK_M - 1) // GROUP, q_len - 1)
+            hi = gl.minimum(kv_len, tok_hi + (kv_len - q_len) + 1)
+            full = gl.minimum(kv_len, row0 // GROUP + (kv_len - q_len) + 1)
+            full = (gl.maximum(full, 0) // BLOCK_N) * BLOCK_N
+        else:
+            hi = kv_len
+            full = (kv_len // BLOCK_N) * BLOCK_N
+        hi = gl.maximum(hi, 0)
+        n_tiles = (hi + BLOCK_N - 1) // BLOCK_N
+        n_tiles = gl.where(row0 < q_len * GROUP, n_tiles, 0)  # row blocks past the sequence: nothing
+        return (
+            kv_head,
+            row0,
+            q_len,
+            kv_len,
+            q_start,
+            o_start,
+            lse_start,
+            BT_row,
+            k_start,
+            v_start,
+            hi,
+            full,
+            n_tiles,
+        )
+
+    @gluon.jit
     def _load_partition(
         args,
         gather,
+        sched,
         k_desc,
         v_desc,
         tma_ints,
@@ -162,62 +226,82 @@ if gluon is not None:
         PAGE_BOX: gl.constexpr,
         K_HEAD_ROWS: gl.constexpr,
         V_HEAD_ROWS: gl.constexpr,
+        GROUP: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        CAUSAL: gl.constexpr,
     ):
-        """Load warps: fill stage t % STAGES with key tile t once every consumer released it.
+        """Load warps: fill stage c % STAGES with the program's c-th key tile (counted across its work
+        items) once every consumer released it.
 
         cp.async mode: every load thread gathers rows and arrives when its own copies land (barrier
         count = load threads). TMA mode (barrier count 1): tiles wholly below kv_len arrive as
         bulk-tensor copies of PAGE_BOX rows each, completing on the barrier's byte count; the tile
         that crosses kv_len is gathered with cp.async (rows past the keys zero-filled, so stale
         cache slots never reach the PV GEMM) and signalled once all load threads' copies landed."""
-        k_smem, v_smem, kv_full, kv_empty, hi, n_tiles, kv_len = args
-        BT_row = gather[2]
-        kv_head = gather[3]
-        k_start = gather[4]
-        v_start = gather[5]
-        num_pages = gather[6]
+        k_smem, v_smem, kv_full, kv_empty, total = args
+        K, V, num_pages = gather[0], gather[1], gather[2]
         k_page_rows, k_head_off, v_page_rows, v_head_off = tma_ints
-        for t in range(n_tiles):
-            s = t % STAGES
-            mbarrier.wait(kv_empty.index(s), ((t // STAGES) & 1) ^ 1)
-            if USE_TMA:
-                if (t + 1) * BLOCK_N <= kv_len:
-                    if (DBG & 1) != 0:  # diagnostics: no copies
-                        mbarrier.arrive(kv_full.index(s))
-                    else:
-                        mbarrier.expect(kv_full.index(s), (2 if (DBG & 4) != 0 else 4) * BLOCK_N * D)
-                    for p in gl.static_range(BLOCK_N // PAGE_BOX):
-                        pos = t * BLOCK_N + p * PAGE_BOX  # one box never crosses a page
-                        if PAGE_SIZE == 0:
-                            k_row = k_start + pos
-                            v_row = v_start + pos
+        c = gl.program_id(0) * 0  # tiles this program has loaded so far
+        for item in range(gl.program_id(0), total, gl.num_programs(0)):
+            w = _work_item(item, sched, GROUP, PAGE_SIZE, BLOCK_M, BLOCK_N, CAUSAL, False)
+            kv_head, _, _, kv_len, _, _, _, BT_row, k_start, v_start, hi, _, n_tiles = w
+            g = (
+                K,
+                V,
+                BT_row,
+                kv_head,
+                k_start,
+                v_start,
+                num_pages,
+                gather[3],
+                gather[4],
+                gather[5],
+                gather[6],
+                gather[7],
+                gather[8],
+            )
+            for t in range(n_tiles):
+                s = (c + t) % STAGES
+                mbarrier.wait(kv_empty.index(s), (((c + t) // STAGES) & 1) ^ 1)
+                if USE_TMA:
+                    if (t + 1) * BLOCK_N <= kv_len:
+                        if (DBG & 1) != 0:  # diagnostics: no copies
+                            mbarrier.arrive(kv_full.index(s))
                         else:
-                            page = gl.load(BT_row + pos // PAGE_SIZE)
-                            page = gl.minimum(gl.maximum(page, 0), num_pages - 1)
-                            k_row = page * k_page_rows + pos % PAGE_SIZE
-                            v_row = page * v_page_rows + pos % PAGE_SIZE
-                        kr, kc = _tma_coords(k_row, kv_head, k_head_off, K_HEAD_ROWS)
-                        vr, vc = _tma_coords(v_row, kv_head, v_head_off, V_HEAD_ROWS)
-                        k_dst = k_smem.index(s).slice(p * PAGE_BOX, PAGE_BOX)
-                        v_dst = v_smem.index(s).slice(p * PAGE_BOX, PAGE_BOX)
-                        if (DBG & 1) == 0:
-                            tma.async_copy_global_to_shared(k_desc, [kr, kc], kv_full.index(s), k_dst)
-                            if (DBG & 4) == 0:
-                                tma.async_copy_global_to_shared(v_desc, [vr, vc], kv_full.index(s), v_dst)
+                            mbarrier.expect(kv_full.index(s), (2 if (DBG & 4) != 0 else 4) * BLOCK_N * D)
+                        for p in gl.static_range(BLOCK_N // PAGE_BOX):
+                            pos = t * BLOCK_N + p * PAGE_BOX  # one box never crosses a page
+                            if PAGE_SIZE == 0:
+                                k_row = k_start + pos
+                                v_row = v_start + pos
+                            else:
+                                page = gl.load(BT_row + pos // PAGE_SIZE)
+                                page = gl.minimum(gl.maximum(page, 0), num_pages - 1)
+                                k_row = page * k_page_rows + pos % PAGE_SIZE
+                                v_row = page * v_page_rows + pos % PAGE_SIZE
+                            kr, kc = _tma_coords(k_row, kv_head, k_head_off, K_HEAD_ROWS)
+                            vr, vc = _tma_coords(v_row, kv_head, v_head_off, V_HEAD_ROWS)
+                            k_dst = k_smem.index(s).slice(p * PAGE_BOX, PAGE_BOX)
+                            v_dst = v_smem.index(s).slice(p * PAGE_BOX, PAGE_BOX)
+                            if (DBG & 1) == 0:
+                                tma.async_copy_global_to_shared(k_desc, [kr, kc], kv_full.index(s), k_dst)
+                                if (DBG & 4) == 0:
+                                    tma.async_copy_global_to_shared(v_desc, [vr, vc], kv_full.index(s), v_dst)
+                    else:
+                        _gather_kv(k_smem.index(s), v_smem.index(s), t, hi, g, PAGE_SIZE, BLOCK_N, D, LD, DBG)
+                        async_copy.commit_group()
+                        async_copy.wait_group(0)
+                        # (arrive follows a barrier of the load warps: all their copies have landed)
+                        mbarrier.arrive(kv_full.index(s))
                 else:
-                    _gather_kv(
-                        k_smem.index(s), v_smem.index(s), t, hi, gather, PAGE_SIZE, BLOCK_N, D, LD, DBG
-                    )
-                    async_copy.commit_group()
-                    async_copy.wait_group(0)
-                    mbarrier.arrive(kv_full.index(s))  # after a barrier of the load warps: all copies landed
-            else:
-                _gather_kv(k_smem.index(s), v_smem.index(s), t, hi, gather, PAGE_SIZE, BLOCK_N, D, LD, DBG)
-                async_copy.mbarrier_arrive(kv_full.index(s), increment_count=False)
+                    _gather_kv(k_smem.index(s), v_smem.index(s), t, hi, g, PAGE_SIZE, BLOCK_N, D, LD, DBG)
+                    async_copy.mbarrier_arrive(kv_full.index(s), increment_count=False)
+            c += n_tiles
 
     @gluon.jit
     def _consumer_partition(
         args,
+        sched,
         R0: gl.constexpr,
         GROUP: gl.constexpr,
         D: gl.constexpr,
@@ -227,8 +311,10 @@ if gluon is not None:
         CAUSAL: gl.constexpr,
         HAS_LSE: gl.constexpr,
         DBG: gl.constexpr,
+        PAGE_SIZE: gl.constexpr,
+        BLOCK_M: gl.constexpr,
     ):
-        """One consumer warpgroup: rows [row0 + R0, row0 + R0 + SUB_M) of the program's tile."""
+        """One consumer warpgroup: rows [row0 + R0, row0 + R0 + SUB_M) of each work item's block."""
         (
             Q,
             stride_qt,
@@ -240,17 +326,8 @@ if gluon is not None:
             kv_empty,
             Out,
             LSE,
-            row0,
-            q_len,
-            kv_len,
-            hi,
-            full,
-            n_tiles,
+            total,
             qk_scale,
-            q_start,
-            o_start,
-            lse_start,
-            kv_head,
             stride_ot,
             stride_oh,
             num_heads_q,
@@ -265,83 +342,93 @@ if gluon is not None:
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
         )
         P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-        # this warpgroup's Q rows -> its own slot of q_smem
-        rows_l = row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, LD))
-        tok_l = rows_l // GROUP
-        head_l = kv_head * GROUP + rows_l % GROUP
-        q_off = (q_start + tok_l).to(gl.int64) * stride_qt + head_l.to(gl.int64) * stride_qh
-        d_l = gl.arange(0, D, gl.SliceLayout(0, LD))
         q_sub = q_smem.index(R0 // SUB_M)
-        q_sub.store(gl.load(Q + q_off[:, None] + d_l[None, :], mask=(tok_l < q_len)[:, None], other=0.0))
-        fence_async_shared()
-        gl.thread_barrier()
-        rows_s = row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, S_L))
-        tok_s = rows_s // GROUP
-        diag = tok_s + (kv_len - q_len)
-        m_i = gl.full([SUB_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
-        l_i = gl.zeros([SUB_M], gl.float32, gl.SliceLayout(1, S_L))
-        acc = gl.zeros([SUB_M, D], gl.float32, O_L)
-        s_zero = gl.zeros([SUB_M, BLOCK_N], gl.float32, S_L)
-        p_op = gl.zeros([SUB_M, BLOCK_N], dtype, P_L)
-        if n_tiles > 0:  # tile 0: nothing to overlap its softmax with yet
-            mbarrier.wait(kv_full.index(0), 0)
+        c = gl.program_id(0) * 0  # key tiles this program has consumed so far
+        for item in range(gl.program_id(0), total, gl.num_programs(0)):
+            w = _work_item(item, sched, GROUP, PAGE_SIZE, BLOCK_M, BLOCK_N, CAUSAL, HAS_LSE)
+            kv_head, row0, q_len, kv_len, q_start, o_start, lse_start, _, _, _, _, full, n_tiles = w
+            # this warpgroup's Q rows -> its own slot of q_smem (the previous item's GEMMs are done)
+            rows_l = row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, LD))
+            tok_l = rows_l // GROUP
+            head_l = kv_head * GROUP + rows_l % GROUP
+            q_off = (q_start + tok_l).to(gl.int64) * stride_qt + head_l.to(gl.int64) * stride_qh
+            d_l = gl.arange(0, D, gl.SliceLayout(0, LD))
+            q_tile = gl.load(Q + q_off[:, None] + d_l[None, :], mask=(tok_l < q_len)[:, None], other=0.0)
+            gl.thread_barrier()
+            q_sub.store(q_tile)
             fence_async_shared()
-            s_tok = warpgroup_mma(
-                q_sub, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True
-            )
-            sc = warpgroup_mma_wait(0, deps=[s_tok])
-            if full > 0:
-                p, m_i, l_i, alpha = _softmax(sc, m_i, l_i, qk_scale, 0, diag, kv_len, False, CAUSAL)
-            else:
-                p, m_i, l_i, alpha = _softmax(sc, m_i, l_i, qk_scale, 0, diag, kv_len, True, CAUSAL)
-            p_op = gl.convert_layout(p.to(dtype), P_L)
-        for j in range(1, n_tiles):
-            s = j % STAGES
-            prev = (j + STAGES - 1) % STAGES
-            mbarrier.wait(kv_full.index(s), (j // STAGES) & 1)
-            fence_async_shared()
-            # S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together; softmax(S_j) overlaps the PV GEMM
-            s_tok = warpgroup_mma(
-                q_sub, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True
-            )
-            o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-            sc = warpgroup_mma_wait(1, deps=[s_tok])
-            if (DBG & 2) != 0:
-                p = sc
-                alpha = m_i
-            elif j * BLOCK_N < full:
-                p, m_i, l_i, alpha = _softmax(
-                    sc, m_i, l_i, qk_scale, j * BLOCK_N, diag, kv_len, False, CAUSAL
+            gl.thread_barrier()
+            rows_s = row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, S_L))
+            tok_s = rows_s // GROUP
+            diag = tok_s + (kv_len - q_len)
+            m_i = gl.full([SUB_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
+            l_i = gl.zeros([SUB_M], gl.float32, gl.SliceLayout(1, S_L))
+            acc = gl.zeros([SUB_M, D], gl.float32, O_L)
+            s_zero = gl.zeros([SUB_M, BLOCK_N], gl.float32, S_L)
+            p_op = gl.zeros([SUB_M, BLOCK_N], dtype, P_L)
+            if n_tiles > 0:  # tile 0: nothing to overlap its softmax with yet
+                s0 = c % STAGES
+                mbarrier.wait(kv_full.index(s0), (c // STAGES) & 1)
+                fence_async_shared()
+                s_tok = warpgroup_mma(
+                    q_sub, k_smem.index(s0).permute((1, 0)), s_zero, use_acc=False, is_async=True
                 )
-            else:
-                p, m_i, l_i, alpha = _softmax(sc, m_i, l_i, qk_scale, j * BLOCK_N, diag, kv_len, True, CAUSAL)
-            acc = warpgroup_mma_wait(0, deps=[o_tok])
-            mbarrier.arrive(kv_empty.index(prev))
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-            p_op = gl.convert_layout(p.to(dtype), P_L)
-        if n_tiles > 0:
-            last = (n_tiles - 1) % STAGES
-            o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[o_tok])
-            mbarrier.arrive(kv_empty.index(last))
+                sc = warpgroup_mma_wait(0, deps=[s_tok])
+                if full > 0:
+                    p, m_i, l_i, alpha = _softmax(sc, m_i, l_i, qk_scale, 0, diag, kv_len, False, CAUSAL)
+                else:
+                    p, m_i, l_i, alpha = _softmax(sc, m_i, l_i, qk_scale, 0, diag, kv_len, True, CAUSAL)
+                p_op = gl.convert_layout(p.to(dtype), P_L)
+            for j in range(1, n_tiles):
+                s = (c + j) % STAGES
+                prev = (c + j - 1) % STAGES
+                mbarrier.wait(kv_full.index(s), ((c + j) // STAGES) & 1)
+                fence_async_shared()
+                # S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together; softmax(S_j) overlaps PV
+                s_tok = warpgroup_mma(
+                    q_sub, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True
+                )
+                o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                sc = warpgroup_mma_wait(1, deps=[s_tok])
+                if (DBG & 2) != 0:
+                    p = sc
+                    alpha = m_i
+                elif j * BLOCK_N < full:
+                    p, m_i, l_i, alpha = _softmax(
+                        sc, m_i, l_i, qk_scale, j * BLOCK_N, diag, kv_len, False, CAUSAL
+                    )
+                else:
+                    p, m_i, l_i, alpha = _softmax(
+                        sc, m_i, l_i, qk_scale, j * BLOCK_N, diag, kv_len, True, CAUSAL
+                    )
+                acc = warpgroup_mma_wait(0, deps=[o_tok])
+                mbarrier.arrive(kv_empty.index(prev))
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+                p_op = gl.convert_layout(p.to(dtype), P_L)
+            if n_tiles > 0:
+                last = (c + n_tiles - 1) % STAGES
+                o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[o_tok])
+                mbarrier.arrive(kv_empty.index(last))
+            c += n_tiles
 
-        has_key = l_i > 0.0
-        inv_l = gl.where(has_key, 1.0 / gl.where(has_key, l_i, 1.0), 0.0)
-        lse2 = gl.where(has_key, m_i + gl.log2(gl.where(has_key, l_i, 1.0)), float("-inf"))
-        o = (acc * gl.convert_layout(inv_l, gl.SliceLayout(1, O_L))[:, None]).to(Out.dtype.element_ty)
-        rows_o = row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, O_L))
-        tok_o = rows_o // GROUP
-        head_o = kv_head * GROUP + rows_o % GROUP
-        o_off = (o_start + tok_o).to(gl.int64) * stride_ot + head_o.to(gl.int64) * stride_oh
-        d_o = gl.arange(0, D, gl.SliceLayout(0, O_L))
-        gl.store(Out + o_off[:, None] + d_o[None, :], o, mask=(tok_o < q_len)[:, None])
-        if HAS_LSE:
-            head_s = kv_head * GROUP + rows_s % GROUP
-            lse_off = lse_start.to(gl.int64) + tok_s.to(gl.int64) * num_heads_q + head_s
-            gl.store(LSE + lse_off, lse2 * 0.6931471805599453, mask=tok_s < q_len)
+            has_key = l_i > 0.0
+            inv_l = gl.where(has_key, 1.0 / gl.where(has_key, l_i, 1.0), 0.0)
+            lse2 = gl.where(has_key, m_i + gl.log2(gl.where(has_key, l_i, 1.0)), float("-inf"))
+            o = (acc * gl.convert_layout(inv_l, gl.SliceLayout(1, O_L))[:, None]).to(Out.dtype.element_ty)
+            rows_o = row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, O_L))
+            tok_o = rows_o // GROUP
+            head_o = kv_head * GROUP + rows_o % GROUP
+            o_off = (o_start + tok_o).to(gl.int64) * stride_ot + head_o.to(gl.int64) * stride_oh
+            d_o = gl.arange(0, D, gl.SliceLayout(0, O_L))
+            gl.store(Out + o_off[:, None] + d_o[None, :], o, mask=(tok_o < q_len)[:, None])
+            if HAS_LSE:
+                head_s = kv_head * GROUP + rows_s % GROUP
+                lse_off = lse_start.to(gl.int64) + tok_s.to(gl.int64) * num_heads_q + head_s
+                gl.store(LSE + lse_off, lse2 * 0.6931471805599453, mask=tok_s < q_len)
 
     @gluon.jit(
-        do_not_specialize=["meta_stride", "b_offset", "m_offset", "num_m_blocks", "num_pages", "bt_stride"],
+        do_not_specialize=["meta_stride", "batch_size", "num_m_blocks", "num_pages", "bt_stride"],
         do_not_specialize_on_alignment=["BT", "LSE"],
     )
     def _attention_kernel(
@@ -354,8 +441,7 @@ if gluon is not None:
         BT,
         sm_scale_log2,
         meta_stride,
-        b_offset,
-        m_offset,
+        batch_size,
         num_m_blocks,
         num_pages,
         bt_stride,
@@ -370,6 +456,7 @@ if gluon is not None:
         stride_ot,
         stride_oh,
         num_heads_q,
+        num_kv_heads,
         k_desc,
         v_desc,
         k_page_rows,
@@ -396,43 +483,15 @@ if gluon is not None:
         num_warps: gl.constexpr,
     ):
         """LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each (BLOCK_M = 64 * NC); the
-        kernel's own num_warps (4) are the first consumer."""
+        kernel's own num_warps (4) are the first consumer. Program p serves work items p, p + grid,
+        p + 2 * grid, ... of the ``num_kv_heads * batch_size * num_m_blocks`` (see ``_work_item``):
+        one each when the grid covers them all, several when it is persistent (one per SM), where
+        the load warps fetch the next item's first tiles while the consumers finish the last one."""
         SUB_M: gl.constexpr = 64
         dtype: gl.constexpr = Q.dtype.element_ty
         TPW_D: gl.constexpr = D // 8
         LD_W: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [LOAD_WARPS, 1], [1, 0])
         SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-
-        kv_head = gl.program_id(0)
-        b = gl.program_id(1) + b_offset
-        m_blk = num_m_blocks - 1 - (gl.program_id(2) + m_offset)
-        q_len = gl.load(META + b)
-        kv_len = gl.load(META + meta_stride + b)
-        q_start = gl.load(META + 2 * meta_stride + b)
-        o_start = gl.load(META + 3 * meta_stride + b)
-        lse_start = q_len * 0  # (scalars handed to partitions must be tensors)
-        if HAS_LSE:
-            lse_start = gl.load(META + 6 * meta_stride + b)
-        if PAGE_SIZE > 0:
-            BT_row = BT + b.to(gl.int64) * bt_stride
-            k_start = q_len * 0
-            v_start = q_len * 0
-        else:
-            BT_row = BT
-            k_start = gl.load(META + 4 * meta_stride + b)
-            v_start = gl.load(META + 5 * meta_stride + b)
-        row0 = m_blk * BLOCK_M
-        if CAUSAL:
-            tok_hi = gl.minimum((row0 + BLOCK_M - 1) // GROUP, q_len - 1)
-            hi = gl.minimum(kv_len, tok_hi + (kv_len - q_len) + 1)
-            full = gl.minimum(kv_len, row0 // GROUP + (kv_len - q_len) + 1)
-            full = (gl.maximum(full, 0) // BLOCK_N) * BLOCK_N
-        else:
-            hi = kv_len
-            full = (kv_len // BLOCK_N) * BLOCK_N
-        hi = gl.maximum(hi, 0)
-        n_tiles = (hi + BLOCK_N - 1) // BLOCK_N
-        n_tiles = gl.where(row0 < q_len * GROUP, n_tiles, 0)  # programs past the sequence: nothing
 
         q_smem = gl.allocate_shared_memory(dtype, [NC, SUB_M, D], SMEM)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], SMEM)
@@ -444,24 +503,22 @@ if gluon is not None:
             mbarrier.init(kv_empty.index(i), count=NC)
         fence_async_shared()
 
-        qk_scale = sm_scale_log2
-        ZERO: gl.constexpr = 0
         # ints specialised to 1 arrive as constexprs; partitions take tensors
-        stride_ot = gl.to_tensor(stride_ot)
-        stride_oh = gl.to_tensor(stride_oh)
-        num_heads_q = gl.to_tensor(num_heads_q)
-        stride_qt = gl.to_tensor(stride_qt)
-        stride_qh = gl.to_tensor(stride_qh)
-        stride_kn = gl.to_tensor(stride_kn)
-        stride_kh = gl.to_tensor(stride_kh)
-        stride_ks = gl.to_tensor(stride_ks)
-        stride_vn = gl.to_tensor(stride_vn)
-        stride_vh = gl.to_tensor(stride_vh)
-        stride_vs = gl.to_tensor(stride_vs)
+        n_bh = gl.to_tensor(num_kv_heads) * batch_size
+        sched = (
+            META,
+            BT,
+            gl.to_tensor(meta_stride),
+            gl.to_tensor(bt_stride),
+            gl.to_tensor(num_kv_heads),
+            n_bh,
+            gl.to_tensor(num_m_blocks),
+        )
+        total = n_bh * num_m_blocks
         cons = (
             Q,
-            stride_qt,
-            stride_qh,
+            gl.to_tensor(stride_qt),
+            gl.to_tensor(stride_qh),
             q_smem,
             k_smem,
             v_smem,
@@ -469,36 +526,23 @@ if gluon is not None:
             kv_empty,
             Out,
             LSE,
-            row0,
-            q_len,
-            kv_len,
-            hi,
-            full,
-            n_tiles,
-            qk_scale,
-            q_start,
-            o_start,
-            lse_start,
-            kv_head,
-            stride_ot,
-            stride_oh,
-            num_heads_q,
+            total,
+            gl.to_tensor(sm_scale_log2),
+            gl.to_tensor(stride_ot),
+            gl.to_tensor(stride_oh),
+            gl.to_tensor(num_heads_q),
         )
-        load = (k_smem, v_smem, kv_full, kv_empty, hi, n_tiles, kv_len)
+        load = (k_smem, v_smem, kv_full, kv_empty, total)
         gather = (
             K,
             V,
-            BT_row,
-            kv_head,
-            k_start,
-            v_start,
-            num_pages,
-            stride_kn,
-            stride_kh,
-            stride_ks,
-            stride_vn,
-            stride_vh,
-            stride_vs,
+            gl.to_tensor(num_pages),
+            gl.to_tensor(stride_kn),
+            gl.to_tensor(stride_kh),
+            gl.to_tensor(stride_ks),
+            gl.to_tensor(stride_vn),
+            gl.to_tensor(stride_vh),
+            gl.to_tensor(stride_vs),
         )
         tma_ints = (
             gl.to_tensor(k_page_rows),
@@ -507,6 +551,7 @@ if gluon is not None:
             gl.to_tensor(v_head_off),
         )
         # (constexprs are written inline: a tuple variable holding them would be lowered as tensors)
+        ZERO: gl.constexpr = 0
         R1: gl.constexpr = SUB_M
         R2: gl.constexpr = 2 * SUB_M
         if NC == 2:
@@ -514,14 +559,46 @@ if gluon is not None:
                 [
                     (
                         _consumer_partition,
-                        (cons, ZERO, GROUP, D, SUB_M, BLOCK_N, STAGES, CAUSAL, HAS_LSE, DBG),
+                        (
+                            cons,
+                            sched,
+                            ZERO,
+                            GROUP,
+                            D,
+                            SUB_M,
+                            BLOCK_N,
+                            STAGES,
+                            CAUSAL,
+                            HAS_LSE,
+                            DBG,
+                            PAGE_SIZE,
+                            BLOCK_M,
+                        ),
                     ),
-                    (_consumer_partition, (cons, R1, GROUP, D, SUB_M, BLOCK_N, STAGES, CAUSAL, HAS_LSE, DBG)),
+                    (
+                        _consumer_partition,
+                        (
+                            cons,
+                            sched,
+                            R1,
+                            GROUP,
+                            D,
+                            SUB_M,
+                            BLOCK_N,
+                            STAGES,
+                            CAUSAL,
+                            HAS_LSE,
+                            DBG,
+                            PAGE_SIZE,
+                            BLOCK_M,
+                        ),
+                    ),
                     (
                         _load_partition,
                         (
                             load,
                             gather,
+                            sched,
                             k_desc,
                             v_desc,
                             tma_ints,
@@ -535,6 +612,9 @@ if gluon is not None:
                             PAGE_BOX,
                             K_HEAD_ROWS,
                             V_HEAD_ROWS,
+                            GROUP,
+                            BLOCK_M,
+                            CAUSAL,
                         ),
                     ),
                 ],
@@ -546,15 +626,64 @@ if gluon is not None:
                 [
                     (
                         _consumer_partition,
-                        (cons, ZERO, GROUP, D, SUB_M, BLOCK_N, STAGES, CAUSAL, HAS_LSE, DBG),
+                        (
+                            cons,
+                            sched,
+                            ZERO,
+                            GROUP,
+                            D,
+                            SUB_M,
+                            BLOCK_N,
+                            STAGES,
+                            CAUSAL,
+                            HAS_LSE,
+                            DBG,
+                            PAGE_SIZE,
+                            BLOCK_M,
+                        ),
                     ),
-                    (_consumer_partition, (cons, R1, GROUP, D, SUB_M, BLOCK_N, STAGES, CAUSAL, HAS_LSE, DBG)),
-                    (_consumer_partition, (cons, R2, GROUP, D, SUB_M, BLOCK_N, STAGES, CAUSAL, HAS_LSE, DBG)),
+                    (
+                        _consumer_partition,
+                        (
+                            cons,
+                            sched,
+                            R1,
+                            GROUP,
+                            D,
+                            SUB_M,
+                            BLOCK_N,
+                            STAGES,
+                            CAUSAL,
+                            HAS_LSE,
+                            DBG,
+                            PAGE_SIZE,
+                            BLOCK_M,
+                        ),
+                    ),
+                    (
+                        _consumer_partition,
+                        (
+                            cons,
+                            sched,
+                            R2,
+                            GROUP,
+                            D,
+                            SUB_M,
+                            BLOCK_N,
+                            STAGES,
+                            CAUSAL,
+                            HAS_LSE,
+                            DBG,
+                            PAGE_SIZE,
+                            BLOCK_M,
+                        ),
+                    ),
                     (
                         _load_partition,
                         (
                             load,
                             gather,
+                            sched,
                             k_desc,
                             v_desc,
                             tma_ints,
@@ -568,6 +697,9 @@ if gluon is not None:
                             PAGE_BOX,
                             K_HEAD_ROWS,
                             V_HEAD_ROWS,
+                            GROUP,
+                            BLOCK_M,
+                            CAUSAL,
                         ),
                     ),
                 ],
@@ -613,9 +745,10 @@ class Config:
     stages: int = 5  # K/V shared-memory ring depth
     consumers: int = 3  # softmax/MMA warpgroups of 64 rows each (2 or 3)
     load_warps: int = 4
-    consumer_regs: int = 144
-    load_regs: int = 80
-    tma: int = 0  # 1: bulk-tensor (TMA) copies for whole tiles where the cache allows (not yet run on a GPU)
+    consumer_regs: int = 152
+    load_regs: int = 56
+    tma: int = 1  # bulk-tensor (TMA) copies for whole tiles where the cache allows (pages >= 16, ragged)
+    persistent: int = 1  # programs per SM, each looping over work items; 0: one program per work item
 
     @property
     def BLOCK_M(self) -> int:
@@ -657,6 +790,8 @@ def config() -> Config:
         why = "consumer_regs and load_regs must be multiples of 8 in [24, 256]"
     elif 128 * cfg.consumers * cfg.consumer_regs + 32 * cfg.load_warps * cfg.load_regs > 65536:
         why = "registers over budget: 128 * consumers * consumer_regs + 32 * load_warps * load_regs > 65536"
+    elif not 0 <= cfg.persistent <= 4:
+        why = f"persistent must be 0 (off) or 1-4 programs per SM, got {cfg.persistent}"
     if why:
         raise ValueError(f"PAGEDPREFILL_GLUON_CONFIG: {why}")
     return cfg
@@ -713,6 +848,11 @@ def _tma_plan(batch: PrefillBatch, cfg: Config):
     return None if None in kv else (box, *kv)
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def num_m_blocks(batch: PrefillBatch, cfg: Config) -> int:
     return -(-batch.max_q * batch.group_size // cfg.BLOCK_M)
 
@@ -743,53 +883,56 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
         tma_ints = (k_tma[1], k_tma[2], v_tma[1], v_tma[2])
     else:
         tma_ints = (0, 0, 0, 0)
-    plans = []
-    for b0, nb, z0, nz in tb.grid_chunks(bsz, n_m):
-        args = (
-            q,
-            k,
-            v,
-            out,
-            batch.lse if batch.lse is not None else meta,
-            meta,
-            bt,
-            float(batch.scale) * LOG2E,
-            meta.stride(0),
-            b0,
-            z0,
-            n_m,
-            k.shape[0],
-            bt.stride(0) if paged else 0,
-            q.stride(0),
-            q.stride(1),
-            *kstr,
-            *vstr,
-            out.stride(0),
-            out.stride(1),
-            batch.num_qo_heads,
-            k_tma[0] if tma_plan else None,
-            v_tma[0] if tma_plan else None,
-            *tma_ints,
-        )
-        kwargs = dict(
-            GROUP=batch.group_size,
-            PAGE_SIZE=batch.page_size if paged else 0,
-            D=batch.head_dim_qk,
-            BLOCK_M=cfg.BLOCK_M,
-            BLOCK_N=cfg.BLOCK_N,
-            CAUSAL=bool(batch.causal),
-            HAS_LSE=batch.lse is not None,
-            STAGES=cfg.stages,
-            LOAD_WARPS=cfg.load_warps,
-            CONS_REGS=cfg.consumer_regs,
-            LOAD_REGS=cfg.load_regs,
-            NC=cfg.consumers,
-            DBG=DIAGNOSTIC_SKIP,
-            USE_TMA=bool(tma_plan),
-            PAGE_BOX=tma_plan[0] if tma_plan else 0,
-            K_HEAD_ROWS=bool(tma_plan and k_tma[3]),
-            V_HEAD_ROWS=bool(tma_plan and v_tma[3]),
-            num_warps=4,
-        )
-        plans.append((_attention_kernel, (hkv, nb, nz), args, kwargs))
-    return plans
+    total = hkv * bsz * n_m
+    if total >= 2**31:
+        raise ValueError(f"too many work items for one launch ({total}); split the batch")
+    grid = total
+    if cfg.persistent and batch.device.type == "cuda":  # (CPU: compile-only tests)
+        grid = min(total, _num_sms(batch.device) * cfg.persistent)
+    args = (
+        q,
+        k,
+        v,
+        out,
+        batch.lse if batch.lse is not None else meta,
+        meta,
+        bt,
+        float(batch.scale) * LOG2E,
+        meta.stride(0),
+        bsz,
+        n_m,
+        k.shape[0],
+        bt.stride(0) if paged else 0,
+        q.stride(0),
+        q.stride(1),
+        *kstr,
+        *vstr,
+        out.stride(0),
+        out.stride(1),
+        batch.num_qo_heads,
+        hkv,
+        k_tma[0] if tma_plan else None,
+        v_tma[0] if tma_plan else None,
+        *tma_ints,
+    )
+    kwargs = dict(
+        GROUP=batch.group_size,
+        PAGE_SIZE=batch.page_size if paged else 0,
+        D=batch.head_dim_qk,
+        BLOCK_M=cfg.BLOCK_M,
+        BLOCK_N=cfg.BLOCK_N,
+        CAUSAL=bool(batch.causal),
+        HAS_LSE=batch.lse is not None,
+        STAGES=cfg.stages,
+        LOAD_WARPS=cfg.load_warps,
+        CONS_REGS=cfg.consumer_regs,
+        LOAD_REGS=cfg.load_regs,
+        NC=cfg.consumers,
+        DBG=DIAGNOSTIC_SKIP,
+        USE_TMA=bool(tma_plan),
+        PAGE_BOX=tma_plan[0] if tma_plan else 0,
+        K_HEAD_ROWS=bool(tma_plan and k_tma[3]),
+        V_HEAD_ROWS=bool(tma_plan and v_tma[3]),
+        num_warps=4,
+    )
+    return [(_attention_kernel, (grid,), args, kwargs)]
