@@ -307,10 +307,10 @@ def test_gpu_default_routing():
         3, lens_q=[30], lens_kv=[90], hq=8, hkv=2, dqk=128, page_size=1, dtype=torch.bfloat16, device="cuda"
     )
     assert tb.use_gluon(direct_batch(page1), 1)
-    page8 = make_case(
-        3, lens_q=[30], lens_kv=[90], hq=8, hkv=2, dqk=128, page_size=8, dtype=torch.bfloat16, device="cuda"
+    ragged = make_case(
+        3, lens_q=[30], lens_kv=[90], hq=8, hkv=2, dqk=128, page_size=0, dtype=torch.bfloat16, device="cuda"
     )
-    assert not tb.use_gluon(direct_batch(page8), 1)  # not benchmarked: the Triton kernel serves it
+    assert not tb.use_gluon(direct_batch(ragged), 1)  # not benchmarked: the Triton kernel serves it
     d64 = make_case(
         3, lens_q=[30], lens_kv=[90], hq=8, hkv=2, dqk=64, page_size=16, dtype=torch.bfloat16, device="cuda"
     )
@@ -318,7 +318,7 @@ def test_gpu_default_routing():
     with tb.config_override(gluon=0):
         assert not tb.use_gluon(direct_batch(case), 1)
     with tb.config_override(gluon=1):
-        assert tb.use_gluon(direct_batch(page8), 1)
+        assert tb.use_gluon(direct_batch(ragged), 1)
 
 
 @pytest.mark.gpu

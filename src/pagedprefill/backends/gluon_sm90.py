@@ -147,6 +147,18 @@ if gluon is not None:
         return row, kv_head * head_off
 
     @gluon.jit
+    def _num_rounds(total):
+        """Rounds of work items: in round r every program takes one item (see ``_round_item``)."""
+        return (total + gl.num_programs(0) - 1) // gl.num_programs(0)
+
+    @gluon.jit
+    def _round_item(r):
+        """Program p's item in round r: p in even rounds, the mirror in odd ones. Items shrink as
+        they go (heaviest first), so the snake order evens out the programs' sums."""
+        pid = gl.program_id(0)
+        return r * gl.num_programs(0) + pid + (r % 2) * (gl.num_programs(0) - 1 - 2 * pid)
+
+    @gluon.jit
     def _work_item(
         item,
         sched,
@@ -158,15 +170,15 @@ if gluon is not None:
         HAS_LSE: gl.constexpr,
     ):
         """Work item -> its sequence, KV head, row block and key range. Items run heaviest row block
-        first (``item // (Hkv * B)`` counts row blocks down from the last), so a program's static
-        stride through them (``range(pid, total, num_programs)``) balances causal work."""
+        first (``item // (Hkv * B)`` counts row blocks down from the last); ``item >= total`` (a last
+        round's missing items) gets ``q_len = 0``: no tiles, no loads, no stores."""
         META, BT, meta_stride, bt_stride, num_kv_heads, n_bh, num_m_blocks = sched
-        z = item // n_bh
+        z = gl.minimum(item // n_bh, num_m_blocks - 1)
         rem = item - z * n_bh
         b = rem // num_kv_heads
         kv_head = rem - b * num_kv_heads
         row0 = (num_m_blocks - 1 - z) * BLOCK_M
-        q_len = gl.load(META + b)
+        q_len = gl.where(item < n_bh * num_m_blocks, gl.load(META + b), 0)
         kv_len = gl.load(META + meta_stride + b)
         q_start = gl.load(META + 2 * meta_stride + b)
         o_start = gl.load(META + 3 * meta_stride + b)
@@ -242,8 +254,8 @@ if gluon is not None:
         K, V, num_pages = gather[0], gather[1], gather[2]
         k_page_rows, k_head_off, v_page_rows, v_head_off = tma_ints
         c = gl.program_id(0) * 0  # tiles this program has loaded so far
-        for item in range(gl.program_id(0), total, gl.num_programs(0)):
-            w = _work_item(item, sched, GROUP, PAGE_SIZE, BLOCK_M, BLOCK_N, CAUSAL, False)
+        for r in range(0, _num_rounds(total)):
+            w = _work_item(_round_item(r), sched, GROUP, PAGE_SIZE, BLOCK_M, BLOCK_N, CAUSAL, False)
             kv_head, _, _, kv_len, _, _, _, BT_row, k_start, v_start, hi, _, n_tiles = w
             g = (
                 K,
@@ -344,8 +356,8 @@ if gluon is not None:
         P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
         q_sub = q_smem.index(R0 // SUB_M)
         c = gl.program_id(0) * 0  # key tiles this program has consumed so far
-        for item in range(gl.program_id(0), total, gl.num_programs(0)):
-            w = _work_item(item, sched, GROUP, PAGE_SIZE, BLOCK_M, BLOCK_N, CAUSAL, HAS_LSE)
+        for r in range(0, _num_rounds(total)):
+            w = _work_item(_round_item(r), sched, GROUP, PAGE_SIZE, BLOCK_M, BLOCK_N, CAUSAL, HAS_LSE)
             kv_head, row0, q_len, kv_len, q_start, o_start, lse_start, _, _, _, _, full, n_tiles = w
             # this warpgroup's Q rows -> its own slot of q_smem (the previous item's GEMMs are done)
             rows_l = row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, LD))
@@ -483,10 +495,11 @@ if gluon is not None:
         num_warps: gl.constexpr,
     ):
         """LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each (BLOCK_M = 64 * NC); the
-        kernel's own num_warps (4) are the first consumer. Program p serves work items p, p + grid,
-        p + 2 * grid, ... of the ``num_kv_heads * batch_size * num_m_blocks`` (see ``_work_item``):
-        one each when the grid covers them all, several when it is persistent (one per SM), where
-        the load warps fetch the next item's first tiles while the consumers finish the last one."""
+        kernel's own num_warps (4) are the first consumer. The ``num_kv_heads * batch_size *
+        num_m_blocks`` work items (``_work_item``) are dealt in rounds of one per program
+        (``_round_item``): one round when the grid covers them all, several when it is persistent
+        (one program per SM), where the load warps fetch the next item's first tiles while the
+        consumers finish the last one."""
         SUB_M: gl.constexpr = 64
         dtype: gl.constexpr = Q.dtype.element_ty
         TPW_D: gl.constexpr = D // 8

@@ -1243,9 +1243,9 @@ def use_gluon(batch: PrefillBatch, splits: int) -> bool:
     """Whether this call runs the Hopper Gluon kernel (``gluon_sm90``) instead of ``_prefill_kernel``.
 
     By default: where it can serve the call (sm_90, 16-bit q/k/v, no scale tensors, 16-byte K/V rows,
-    no split-KV) and was measured faster on the H200: Dqk = Dvo = 128 with pages of 1 token or of
-    16 tokens or more (``docs/triton_kernel.md``). Knob ``gluon=1`` forces it wherever it can serve
-    (D = 64, ragged K/V, pages of 2-15 tokens: tested, not benchmarked), ``gluon=0`` turns it off.
+    no split-KV) and was measured faster on the H200: Dqk = Dvo = 128 over paged K/V, every page
+    size (``docs/triton_kernel.md``). Knob ``gluon=1`` forces it wherever it can serve (D = 64 and
+    ragged K/V: tested, not benchmarked), ``gluon=0`` turns it off.
     """
     over = {**_env_override(), **_OVERRIDE}
     mode = over.get("gluon")
@@ -1253,7 +1253,7 @@ def use_gluon(batch: PrefillBatch, splits: int) -> bool:
         return False
     if mode == 1:
         return True
-    return batch.head_dim_qk == 128 and batch.paged and (batch.page_size >= 16 or batch.page_size == 1)
+    return batch.head_dim_qk == 128 and batch.paged
 
 
 def run(batch: PrefillBatch) -> None:
