@@ -2,41 +2,63 @@
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 import pagedprefill
 from pagedprefill.backends import auto_policy
 
 
-def _batch(page_size=16, max_q=4096, max_kv=4096, dtype=torch.bfloat16, kv_dtype=None, paged=True, graph=0):
+def _batch(
+    page_size=16, max_q=4096, max_kv=4096, dtype=torch.bfloat16, kv_dtype=None, paged=True, graph=0, d=128
+):
     return SimpleNamespace(
         graph_mode=graph,
         paged=paged,
         page_size=page_size if paged else 0,
         max_q=max_q,
         max_kv=max_kv,
+        head_dim_qk=d,
         q=torch.empty(0, dtype=dtype),
         k=torch.empty(0, dtype=kv_dtype or dtype),
     )
 
 
-def test_long_prefills_prefer_cudnn():
+@pytest.fixture
+def gluon(monkeypatch):
+    """Stand-in for "the Hopper Gluon kernel serves this call" (it needs a real batch on an H200)."""
+    serves = {"value": True}
+    monkeypatch.setattr(auto_policy, "_gluon_serves", lambda batch: serves["value"])
+    return serves
+
+
+def test_long_prefills_prefer_triton_where_the_gluon_kernel_serves(gluon):
+    assert auto_policy.order(_batch())[0] == "triton"
+    assert auto_policy.order(_batch(paged=False, max_q=4096, max_kv=4096))[0] == "triton"
+    assert auto_policy.order(_batch(max_q=4095))[0] == "cudnn"
+    gluon["value"] = False  # e.g. not an H200, head dim 96, knob gluon=0
     assert auto_policy.order(_batch())[0] == "cudnn"
-    assert auto_policy.order(_batch(paged=False, max_q=4096, max_kv=4096))[0] == "cudnn"
 
 
-def test_small_pages_and_fp8_prefer_triton():
+def test_head_dim_64_prefers_triton_where_the_gluon_kernel_serves(gluon):
+    assert auto_policy.order(_batch(max_q=1024, max_kv=1024, d=64))[0] == "triton"
+    gluon["value"] = False
+    assert auto_policy.order(_batch(max_q=1024, max_kv=1024, d=64))[0] == "cudnn"
+
+
+def test_small_pages_and_fp8_prefer_triton(gluon):
+    gluon["value"] = False
     assert auto_policy.order(_batch(page_size=1))[0] == "triton"
     assert auto_policy.order(_batch(page_size=8, graph=1))[0] == "triton"
     assert auto_policy.order(_batch(kv_dtype=torch.float8_e4m3fn))[0] == "triton"
 
 
-def test_short_prefills_prefer_cudnn_eager_and_captured():
+def test_short_prefills_prefer_cudnn_eager_and_captured(gluon):
     assert auto_policy.order(_batch(max_q=1024, max_kv=1024))[0] == "cudnn"
     assert auto_policy.order(_batch(max_q=16, max_kv=16, graph=1))[0] == "cudnn"
 
 
-def test_every_order_ends_with_the_reference():
+def test_every_order_ends_with_the_reference(gluon):
     for b in (_batch(), _batch(page_size=1)):
         assert auto_policy.order(b)[-1] == "torch" and len(set(auto_policy.order(b))) == 3
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from oracle import check, make_case
-from test_triton_backend import atol_for, call, direct_batch, random_params
+from test_triton_backend import atol_for, call, check_sampled, direct_batch, random_params
 
 import pagedprefill
 from pagedprefill.backends import gluon_sm90 as gs
@@ -291,34 +291,38 @@ def test_gpu_random_grid_tma(seed, monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_default_routing():
-    case = make_case(
-        3,
-        lens_q=[300, 40],
-        lens_kv=[900, 40],
-        hq=32,
-        hkv=8,
-        dqk=128,
-        page_size=16,
-        dtype=torch.bfloat16,
-        device="cuda",
-    )
-    assert tb.use_gluon(direct_batch(case), 1)
-    page1 = make_case(
-        3, lens_q=[30], lens_kv=[90], hq=8, hkv=2, dqk=128, page_size=1, dtype=torch.bfloat16, device="cuda"
-    )
-    assert tb.use_gluon(direct_batch(page1), 1)
-    ragged = make_case(
-        3, lens_q=[30], lens_kv=[90], hq=8, hkv=2, dqk=128, page_size=0, dtype=torch.bfloat16, device="cuda"
-    )
-    assert not tb.use_gluon(direct_batch(ragged), 1)  # not benchmarked: the Triton kernel serves it
-    d64 = make_case(
-        3, lens_q=[30], lens_kv=[90], hq=8, hkv=2, dqk=64, page_size=16, dtype=torch.bfloat16, device="cuda"
-    )
-    assert not tb.use_gluon(direct_batch(d64), 1)
+    """Every call the Gluon kernel can serve goes to it (measured faster than the Triton kernel on
+    every shape tried), unless split-KV is chosen or the knob gluon=0 is set; backend="auto" sends
+    long prefills and D = 64 to the Triton backend, a short D = 128 prefill to cuDNN."""
+
+    def case(dqk=128, page_size=16, lens_q=(30,), lens_kv=(90,)):
+        return make_case(
+            3,
+            lens_q=list(lens_q),
+            lens_kv=list(lens_kv),
+            hq=8,
+            hkv=2,
+            dqk=dqk,
+            page_size=page_size,
+            dtype=torch.bfloat16,
+            device="cuda",
+        )
+
+    for c in (case(), case(page_size=1), case(page_size=8), case(page_size=0), case(dqk=64)):
+        assert tb.use_gluon(direct_batch(c), 1)
+    assert not tb.use_gluon(direct_batch(case()), 2)  # split-KV: the Triton kernel merges splits
+    assert not tb.use_gluon(direct_batch(case(dqk=96)), 1)
     with tb.config_override(gluon=0):
-        assert not tb.use_gluon(direct_batch(case), 1)
-    with tb.config_override(gluon=1):
-        assert tb.use_gluon(direct_batch(ragged), 1)
+        assert not tb.use_gluon(direct_batch(case()), 1)
+
+    for c, expect in (
+        (case(lens_q=(4096,), lens_kv=(4096,)), "triton"),
+        (case(dqk=64), "triton"),
+        (case(), "cudnn"),
+    ):
+        out, _ = pagedprefill.cudnn_batch_prefill_with_kv_cache(**c.kwargs, backend="auto")
+        assert pagedprefill.last_backend() == expect
+        check_sampled(c, out, None, atol=atol_for(torch.bfloat16))
 
 
 @pytest.mark.gpu

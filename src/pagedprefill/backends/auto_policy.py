@@ -1,14 +1,17 @@
 """Which backend ``backend="auto"`` tries first on a CUDA device.
 
-From the H200 measurements recorded in ``bench/results/h200.json`` and ``h200-graph.json`` (kernel
-time with host time excluded, both backends in one run, 2026-11-29, after the api's call cache
-brought cuDNN's host time per call to ~150 us):
+From the H200 measurements recorded in ``bench/results/h200-persistent.json`` (eager) and
+``h200-graph-persistent.json`` (CUDA graphs), both backends in one run, 2026-11-29, kernel time with
+host time excluded, and the probes in ``h200-gluon-tma-persistent-probes.log``:
 
-* page size < 16: Triton's per-key gathers beat cuDNN's paged kernel (page 1: 1.23x eager, 1.24x in
-  CUDA graphs);
+* page size < 16: Triton's kernels beat cuDNN's paged kernel (page 1: 1.55x eager, 1.50x in CUDA
+  graphs; page 4: 1.81x, page 8: 1.13x);
 * fp8 KV cache (cuDNN 9.19 refuses fp8 attention on Hopper): Triton;
-* everything else, short prefills included: cuDNN's kernels are 22-37% faster than ours
-  (llama8b_b16_q1k: 0.376 vs 0.538 ms), and its host time no longer exceeds its kernel time.
+* where the Hopper Gluon kernel serves the call (``triton_backend.use_gluon``) and the prefill is
+  long (max_q >= 4096: llama8b_b4_q4k 1.02-1.06x, llama8b_b1_q16k 1.09x) or the head dim is 64
+  (1.08-1.13x): Triton;
+* everything else: cuDNN, 0.85-0.98x for us on shorter prefills (llama8b_b16_q1k, page64,
+  chunked, varlen, llama70b) and 0.63-0.67x on Dqk 192 / Dvo 128 (no Gluon kernel for it yet).
 
 Anything cuDNN cannot serve (a head dim it refuses, no graph built yet during CUDA graph capture,
 package missing) falls through to the next backend in the list.
@@ -19,8 +22,16 @@ from __future__ import annotations
 from pagedprefill.api import PrefillBatch
 
 
+def _gluon_serves(batch: PrefillBatch) -> bool:
+    try:
+        from pagedprefill.backends import triton_backend
+    except ImportError:  # no Triton installed
+        return False
+    return triton_backend.use_gluon(batch, splits=1)
+
+
 def order(batch: PrefillBatch) -> list[str]:
     triton_first = (
         (batch.paged and batch.page_size < 16) or batch.q.dtype.itemsize == 1 or batch.k.dtype.itemsize == 1
-    )
+    ) or ((batch.max_q >= 4096 or batch.head_dim_qk == 64) and _gluon_serves(batch))
     return ["triton", "cudnn", "torch"] if triton_first else ["cudnn", "triton", "torch"]
