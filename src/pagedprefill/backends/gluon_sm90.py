@@ -4,18 +4,20 @@ Why Gluon: Triton 3.6 emits ``wgmma.wait_group 0`` right after every GEMM of the
 its automatic warp specialisation does not engage on it (``docs/triton_kernel.md``). Gluon exposes
 ``warpgroup_mma(is_async=True)`` / ``warpgroup_mma_wait(n)``, mbarriers and ``warp_specialize``.
 
-One program (grid ``(Hkv, B, num_m_blocks)``, heaviest row blocks first) computes ``BLOCK_M = 64 *
-consumers`` query rows of one sequence and one KV head; a row is a (token, head-in-group) pair,
-GQA packing exactly as in ``triton_backend``. Its warps are split (``gl.warp_specialize``):
+A work item is ``BLOCK_M = 64 * consumers`` query rows of one sequence and one KV head; a row is a
+(token, head-in-group) pair, GQA packing exactly as in ``triton_backend``. A persistent grid (one
+program per SM; ``Config.persistent``) deals the items in rounds, heaviest row blocks first, in
+snake order (``_round_item``). Each program's warps are split (``gl.warp_specialize``):
 
-* **load warps** (``load_warps``, few registers): for key tile ``t`` they wait until every consumer
-  released stage ``t % stages`` (``kv_empty``), gather the tile's K and V rows with ``cp.async``
-  (page ids from the block table, clamped; any page size and page strides; ragged rows; rows past
-  the tile's key range zero-filled) and arrive on ``kv_full`` when their copies land (``cp.async
-  .mbarrier.arrive.noinc``, one arrival per load thread); with ``Config.tma`` (off by default, not
-  yet run on a GPU) tiles wholly below ``kv_len`` arrive as bulk-tensor (TMA) copies instead;
-* **consumer warpgroups** (``consumers`` x 4 warps, 64 rows each): load their Q rows into shared
-  memory once, then per tile ``j``: wait ``kv_full``, issue ``S_j = Q K_j^T`` and ``O += P_{j-1}
+* **load warps** (``load_warps``, few registers): for the program's key tile ``c`` (counted across
+  its items) they wait until every consumer released stage ``c % stages`` (``kv_empty``), then fetch
+  the tile's K and V rows: tiles wholly below ``kv_len`` as bulk-tensor (TMA) copies, one box per
+  page, completing on ``kv_full``'s byte count (``Config.tma``, pages of >= 16 tokens and ragged
+  K/V); otherwise a ``cp.async`` gather (page ids from the block table, clamped; any page size and
+  page strides; rows past the tile's key range zero-filled) that arrives on ``kv_full`` when its
+  copies land;
+* **consumer warpgroups** (``consumers`` x 4 warps, 64 rows each): per item, load their Q rows into
+  shared memory, then per tile ``j``: wait ``kv_full``, issue ``S_j = Q K_j^T`` and ``O += P_{j-1}
   V_{j-1}`` as asynchronous wgmmas, wait for ``S_j`` only, run the online softmax of tile ``j`` while
   the PV GEMM still runs, wait for it, release stage ``j - 1`` and rescale ``O``. Consumers are not
   synchronised with each other, so one's softmax also overlaps another's GEMMs.
@@ -25,9 +27,9 @@ that varies per call is ``do_not_specialize``, masks are evaluated only on tiles
 causal diagonal or the end of the keys, rows without a visible key get out 0 and lse -inf.
 
 Served (:func:`unavailable_reason`): sm_90, one 16-bit dtype for q/k/v, Dqk = Dvo in {64, 128}, a
-positive scale and no scale tensors, 16-byte-aligned K/V rows. ``triton_backend.use_gluon`` decides
-per call (by default only where it was measured faster than the Triton kernel); split-KV calls and
-everything else take the Triton kernel. Design notes and measurements: ``docs/triton_kernel.md``.
+positive scale and no scale tensors, K/V strides in multiples of 16 elements.
+``triton_backend.use_gluon`` sends every such call here unless split-KV is chosen; everything else
+takes the Triton kernel. Design notes and measurements: ``docs/triton_kernel.md``.
 """
 
 from __future__ import annotations
