@@ -30,7 +30,7 @@ for s in $steps; do
            timeout 150 python3 scripts/tune_triton.py --graph --configs "gluon=0" --workloads $W 2>&1 \
              | grep -A24 SUMMARY | tee "$OUT/gluon-probe.log"
            for c in "" "persistent=0" "load_regs=80,consumer_regs=144"; do
-             echo "PAGEDPREFILL_GLUON_CONFIG=$c (gluon=1 forces the Gluon kernel, every page size)"
+             echo "PAGEDPREFILL_GLUON_CONFIG=$c (gluon=1: the Gluon kernel wherever it serves)"
              PAGEDPREFILL_GLUON_CONFIG=$c timeout 120 python3 scripts/tune_triton.py --graph --no-cudnn \
                --configs "gluon=1" --workloads $W 2>&1 | grep -A12 SUMMARY
            done 2>&1 | tee -a "$OUT/gluon-probe.log" ;;

@@ -6,10 +6,9 @@
 A workload is a name from workloads.json, optionally with ``:key=value`` overrides.
 
 Each config is ``BLOCK_M,BLOCK_N,num_warps,num_stages[,lazy[,num_splits]]`` or ``key=value`` pairs
-(e.g. ``gluon=0`` for the Triton kernel, ``gluon=1`` for the Gluon kernel; the Gluon kernel's own
-knobs come from ``PAGEDPREFILL_GLUON_CONFIG``);
-"default" means the backend's
-own choice. Times are do_bench medians (L2 flushed); with --graph the call is captured in a CUDA
+(e.g. ``gluon=0`` for the Triton kernel, ``gluon=1`` (the default) for the Gluon kernel where it
+serves; the Gluon kernel's own knobs come from ``PAGEDPREFILL_GLUON_CONFIG``); "default" means the
+backend's own choice. Times are do_bench medians (L2 flushed); with --graph the call is captured in a CUDA
 graph first so host overhead is excluded. Every timed output is checked against cuDNN's.
 """
 

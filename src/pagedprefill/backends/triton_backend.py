@@ -1245,7 +1245,7 @@ def use_gluon(batch: PrefillBatch, splits: int) -> bool:
     Wherever it can serve the call (sm_90, 16-bit q/k/v, Dqk = Dvo in {64, 128}, no scale tensors,
     16-element K/V strides, no split-KV): on the H200 it was faster than the Triton kernel on every
     shape measured, paged (page sizes 1, 4, 8, 16, 64) and ragged, D = 64 and 128
-    (``docs/triton_kernel.md``). Knob ``gluon=0`` turns it off.
+    (``docs/triton_kernel.md``). Knob ``gluon=0`` turns it off; ``gluon=1`` is the default.
     """
     if {**_env_override(), **_OVERRIDE}.get("gluon") == 0 or INTERPRETED or splits > 1:
         return False
