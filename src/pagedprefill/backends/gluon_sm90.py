@@ -173,14 +173,17 @@ if gluon is not None:
     ):
         """Work item -> its sequence, KV head, row block and key range. Items run heaviest row block
         first (``item // (Hkv * B)`` counts row blocks down from the last); ``item >= total`` (a last
-        round's missing items) gets ``q_len = 0``: no tiles, no loads, no stores."""
+        round's missing items) decodes as the last item with ``q_len = 0``: no tiles, no stores."""
         META, BT, meta_stride, bt_stride, num_kv_heads, n_bh, num_m_blocks = sched
-        z = gl.minimum(item // n_bh, num_m_blocks - 1)
+        total = n_bh * num_m_blocks
+        valid = item < total
+        item = gl.minimum(item, total - 1)  # (so that b < batch size: META is read unmasked)
+        z = item // n_bh
         rem = item - z * n_bh
         b = rem // num_kv_heads
         kv_head = rem - b * num_kv_heads
         row0 = (num_m_blocks - 1 - z) * BLOCK_M
-        q_len = gl.where(item < n_bh * num_m_blocks, gl.load(META + b), 0)
+        q_len = gl.where(valid, gl.load(META + b), 0)
         kv_len = gl.load(META + meta_stride + b)
         q_start = gl.load(META + 2 * meta_stride + b)
         o_start = gl.load(META + 3 * meta_stride + b)
@@ -899,7 +902,7 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
     else:
         tma_ints = (0, 0, 0, 0)
     total = hkv * bsz * n_m
-    if total >= 2**31:
+    if total >= 2**31 - 2**20:  # (rounds run to total + grid in int32)
         raise ValueError(f"too many work items for one launch ({total}); split the batch")
     grid = total
     if cfg.persistent and batch.device.type == "cuda":  # (CPU: compile-only tests)
