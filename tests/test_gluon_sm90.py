@@ -57,6 +57,50 @@ def test_not_used_off_the_gpu():
     assert not tb.use_gluon(batch, 1)
 
 
+@pytest.mark.parametrize(
+    "dims, served",
+    [((64, 64), True), ((128, 128), True), ((192, 128), True), ((96, 96), False), ((256, 256), False)],
+)
+def test_head_dims_served(dims, served):
+    case = make_case(1, lens_q=[5], lens_kv=[9], hq=4, hkv=2, dqk=dims[0], dvo=dims[1], dtype=torch.float16)
+    why = gs.unavailable_reason(direct_batch(case))
+    assert why == "not a CUDA device" if served else "head dims" in why
+
+
+def test_stages_fit_shared_memory():
+    """Q and the K/V ring fit sm_90's 227 KB: 5 stages at D 128, 3 at Dqk 192 / Dvo 128."""
+    cfg = gs.DEFAULT
+    for (dqk, dvo), want in (((128, 128), 5), ((64, 64), 5), ((192, 128), 3)):
+        case = make_case(1, lens_q=[5], lens_kv=[9], hq=4, hkv=2, dqk=dqk, dvo=dvo, dtype=torch.bfloat16)
+        batch = direct_batch(case)
+        n = gs.stages(batch, cfg)
+        assert n == want
+        assert 2 * (cfg.BLOCK_M * dqk + n * cfg.BLOCK_N * (dqk + dvo)) <= gs.SMEM_BYTES
+
+
+def test_tma_plan_mla_boxes_key_columns_in_two_parts():
+    """Dqk 192: K's 2-D view spans all 192 columns of every head, boxed as 128 + 64 columns."""
+    for layout in ("nhd", "hnd"):
+        case = make_case(
+            2,
+            lens_q=[3],
+            lens_kv=[70],
+            hq=4,
+            hkv=2,
+            dqk=192,
+            dvo=128,
+            page_size=16,
+            kv_layout=layout,
+            dtype=torch.bfloat16,
+        )
+        box, (k0, _, k_head_off, k_rows), (v0, *_), k1 = gs._tma_plan(direct_batch(case), gs.DEFAULT)
+        assert list(k0.block_shape) == [box, 128] and list(k1.block_shape) == [box, 64]
+        assert list(v0.block_shape) == [box, 128]
+        assert (k1.shape, k1.strides) == (k0.shape, k0.strides)
+        last_col = (0 if k_rows else (case.kwargs["k_cache"].shape[1] - 1) * k_head_off) + 192
+        assert last_col <= k0.shape[1]
+
+
 def test_strides_cp_async_cannot_prove_are_refused():
     """A stride of 8 (mod 16) elements is 16-byte aligned, but Triton can only prove 2 bytes: refused."""
     case = make_case(1, lens_q=[5], lens_kv=[9], hq=4, hkv=2, dqk=128, page_size=0, dtype=torch.float16)
@@ -96,9 +140,9 @@ _AOT = textwrap.dedent(
     target = GPUTarget("cuda", 90, 128)
     backend = make_backend(target)
     ptxas = triton.knobs.nvidia.ptxas.path
-    for d, page, causal, dt in {specs!r}:
-        case = make_case(0, lens_q=[5, 7], lens_kv=[9, 30], hq=8, hkv=2, dqk=d, page_size=page,
-                         dtype=getattr(torch, dt), causal=causal)
+    for d, page, causal, dt, *dvo in {specs!r}:
+        case = make_case(0, lens_q=[5, 7], lens_kv=[9, 30], hq=8, hkv=2, dqk=d, dvo=(dvo or [d])[0],
+                         page_size=page, dtype=getattr(torch, dt), causal=causal)
         for kernel, grid, args, kwargs in gs.launch_plan(direct_batch(case)):
             binder = create_function_from_signature(kernel.signature, kernel.params, backend)
             bound, sp, opts = binder(*args, **kwargs)
@@ -125,6 +169,7 @@ def test_compiles_for_sm90(tmp_path, tma):
         (128, 16, True, "bfloat16"),
         (128, 0, False, "float16"),
         (64, 1 if not tma else 32, True, "bfloat16"),
+        (192, 0 if tma else 1, True, "bfloat16", 128),  # Dqk 192 / Dvo 128: K in 128 + 64 columns
     ]
     script = _AOT.format(tests=str(ROOT / "tests"), specs=specs)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -290,6 +335,22 @@ def test_gpu_random_grid_tma(seed, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(760, 776))
+def test_gpu_random_grid_mla(seed, monkeypatch):
+    """Dqk 192 / Dvo 128 forced onto the Gluon kernel (knob gluon=1): K in 128 + 64 columns, 3
+    stages; TMA for pages of 16/64 and ragged K/V, the gather for page size 1; odd seeds on a
+    2-program persistent grid."""
+    if seed % 2:
+        monkeypatch.setattr(gs, "_num_sms", lambda device: 2)
+    params = gluon_params(seed)
+    params.update(dqk=192, dvo=128, page_size=random.Random(seed).choice([0, 1, 16, 64]))
+    case = make_case(seed, **params)
+    assert gs.unavailable_reason(direct_batch(case)) is None
+    out, lse = call(case, gluon=1, num_splits=1)
+    check(case, out, lse, atol=atol_for(params["dtype"]), lse_atol=2e-2)
+
+
+@pytest.mark.gpu
 def test_gpu_default_routing():
     """Every call the Gluon kernel can serve goes to it (measured faster than the Triton kernel on
     every shape tried), unless split-KV is chosen or the knob gluon=0 is set; backend="auto" sends
@@ -312,6 +373,12 @@ def test_gpu_default_routing():
         assert tb.use_gluon(direct_batch(c), 1)
     assert not tb.use_gluon(direct_batch(case()), 2)  # split-KV: the Triton kernel merges splits
     assert not tb.use_gluon(direct_batch(case(dqk=96)), 1)
+    mla = make_case(
+        3, lens_q=[30], lens_kv=[90], hq=8, hkv=2, dqk=192, dvo=128, dtype=torch.bfloat16, device="cuda"
+    )
+    assert not tb.use_gluon(direct_batch(mla), 1)  # served, not yet measured: only with gluon=1
+    with tb.config_override(gluon=1):
+        assert tb.use_gluon(direct_batch(mla), 1)
     with tb.config_override(gluon=0):
         assert not tb.use_gluon(direct_batch(case()), 1)
 

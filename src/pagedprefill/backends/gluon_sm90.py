@@ -92,19 +92,9 @@ if gluon is not None:
         return p, m_new, l_i, alpha
 
     @gluon.jit
-    def _gather_kv(
-        k_buf,
-        v_buf,
-        t,
-        hi,
-        args,
-        PAGE_SIZE: gl.constexpr,
-        BLOCK_N: gl.constexpr,
-        D: gl.constexpr,
-        LD: gl.constexpr,
-        DBG: gl.constexpr,
-    ):
-        """cp.async copies of key tile t's K and V rows (rows at or past ``hi`` zero-filled)."""
+    def _kv_rows(t, hi, args, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, LD: gl.constexpr):
+        """Element offsets (int64) of key tile t's K and V rows, as rows of layout LD, and the mask
+        of rows below ``hi``."""
         (
             K,
             V,
@@ -133,13 +123,54 @@ if gluon is not None:
             v_off = page * stride_vn + slot * stride_vs
         k_off = k_off + kv_head.to(gl.int64) * stride_kh
         v_off = v_off + kv_head.to(gl.int64) * stride_vh
-        d = gl.arange(0, D, gl.SliceLayout(0, LD))
+        return k_off, v_off, ok
+
+    @gluon.jit
+    def _gather_kv(
+        k_buf,
+        k1_buf,
+        v_buf,
+        t,
+        hi,
+        args,
+        PAGE_SIZE: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        DQ0: gl.constexpr,
+        DQ1: gl.constexpr,
+        DVO: gl.constexpr,
+        NW: gl.constexpr,
+        DBG: gl.constexpr,
+    ):
+        """cp.async copies of key tile t's K rows (columns [0, DQ0) into k_buf, [DQ0, DQ0 + DQ1) into
+        k1_buf) and V rows (DVO columns); rows at or past ``hi`` zero-filled. NW: the load warps."""
+        K = args[0]
+        V = args[1]
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DQ0 // 8), DQ0 // 8], [NW, 1], [1, 0])
+        k_off, v_off, ok = _kv_rows(t, hi, args, PAGE_SIZE, BLOCK_N, LD)
+        d = gl.arange(0, DQ0, gl.SliceLayout(0, LD))
         if (DBG & 1) == 0:
             async_copy.async_copy_global_to_shared(k_buf, K + k_off[:, None] + d[None, :], mask=ok[:, None])
-            if (DBG & 4) == 0:
+            if DQ1 > 0:
+                LD1: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DQ1 // 8), DQ1 // 8], [NW, 1], [1, 0])
+                k1_off, _, ok1 = _kv_rows(t, hi, args, PAGE_SIZE, BLOCK_N, LD1)
+                d1 = DQ0 + gl.arange(0, DQ1, gl.SliceLayout(0, LD1))
                 async_copy.async_copy_global_to_shared(
-                    v_buf, V + v_off[:, None] + d[None, :], mask=ok[:, None]
+                    k1_buf, K + k1_off[:, None] + d1[None, :], mask=ok1[:, None]
                 )
+            if (DBG & 4) == 0:
+                if DVO == DQ0:
+                    async_copy.async_copy_global_to_shared(
+                        v_buf, V + v_off[:, None] + d[None, :], mask=ok[:, None]
+                    )
+                else:
+                    LDV: gl.constexpr = gl.BlockedLayout(
+                        [1, 8], [32 // (DVO // 8), DVO // 8], [NW, 1], [1, 0]
+                    )
+                    _, vv_off, okv = _kv_rows(t, hi, args, PAGE_SIZE, BLOCK_N, LDV)
+                    dv = gl.arange(0, DVO, gl.SliceLayout(0, LDV))
+                    async_copy.async_copy_global_to_shared(
+                        v_buf, V + vv_off[:, None] + dv[None, :], mask=okv[:, None]
+                    )
 
     @gluon.jit
     def _tma_coords(row, kv_head, head_off, HEAD_ROWS: gl.constexpr):
@@ -231,13 +262,16 @@ if gluon is not None:
         gather,
         sched,
         k_desc,
+        k1_desc,
         v_desc,
         tma_ints,
         PAGE_SIZE: gl.constexpr,
         BLOCK_N: gl.constexpr,
-        D: gl.constexpr,
+        DQ0: gl.constexpr,
+        DQ1: gl.constexpr,
+        DVO: gl.constexpr,
         STAGES: gl.constexpr,
-        LD: gl.constexpr,
+        LOAD_WARPS: gl.constexpr,
         DBG: gl.constexpr,
         USE_TMA: gl.constexpr,
         PAGE_BOX: gl.constexpr,
@@ -255,7 +289,7 @@ if gluon is not None:
         bulk-tensor copies of PAGE_BOX rows each, completing on the barrier's byte count; the tile
         that crosses kv_len is gathered with cp.async (rows past the keys zero-filled, so stale
         cache slots never reach the PV GEMM) and signalled once all load threads' copies landed."""
-        k_smem, v_smem, kv_full, kv_empty, total = args
+        k_smem, k1_smem, v_smem, kv_full, kv_empty, total = args
         K, V, num_pages = gather[0], gather[1], gather[2]
         k_page_rows, k_head_off, v_page_rows, v_head_off = tma_ints
         c = gl.program_id(0) * 0  # tiles this program has loaded so far
@@ -285,7 +319,9 @@ if gluon is not None:
                         if (DBG & 1) != 0:  # diagnostics: no copies
                             mbarrier.arrive(kv_full.index(s))
                         else:
-                            mbarrier.expect(kv_full.index(s), (2 if (DBG & 4) != 0 else 4) * BLOCK_N * D)
+                            mbarrier.expect(
+                                kv_full.index(s), 2 * BLOCK_N * (DQ0 + DQ1 + (0 if (DBG & 4) != 0 else DVO))
+                            )
                         for p in gl.static_range(BLOCK_N // PAGE_BOX):
                             pos = t * BLOCK_N + p * PAGE_BOX  # one box never crosses a page
                             if PAGE_SIZE == 0:
@@ -302,18 +338,59 @@ if gluon is not None:
                             v_dst = v_smem.index(s).slice(p * PAGE_BOX, PAGE_BOX)
                             if (DBG & 1) == 0:
                                 tma.async_copy_global_to_shared(k_desc, [kr, kc], kv_full.index(s), k_dst)
+                                if DQ1 > 0:
+                                    k1_dst = k1_smem.index(s).slice(p * PAGE_BOX, PAGE_BOX)
+                                    tma.async_copy_global_to_shared(
+                                        k1_desc, [kr, kc + DQ0], kv_full.index(s), k1_dst
+                                    )
                                 if (DBG & 4) == 0:
                                     tma.async_copy_global_to_shared(v_desc, [vr, vc], kv_full.index(s), v_dst)
                     else:
-                        _gather_kv(k_smem.index(s), v_smem.index(s), t, hi, g, PAGE_SIZE, BLOCK_N, D, LD, DBG)
+                        _gather_kv(
+                            k_smem.index(s),
+                            k1_smem.index(s),
+                            v_smem.index(s),
+                            t,
+                            hi,
+                            g,
+                            PAGE_SIZE,
+                            BLOCK_N,
+                            DQ0,
+                            DQ1,
+                            DVO,
+                            LOAD_WARPS,
+                            DBG,
+                        )
                         async_copy.commit_group()
                         async_copy.wait_group(0)
                         # (arrive follows a barrier of the load warps: all their copies have landed)
                         mbarrier.arrive(kv_full.index(s))
                 else:
-                    _gather_kv(k_smem.index(s), v_smem.index(s), t, hi, g, PAGE_SIZE, BLOCK_N, D, LD, DBG)
+                    _gather_kv(
+                        k_smem.index(s),
+                        k1_smem.index(s),
+                        v_smem.index(s),
+                        t,
+                        hi,
+                        g,
+                        PAGE_SIZE,
+                        BLOCK_N,
+                        DQ0,
+                        DQ1,
+                        DVO,
+                        LOAD_WARPS,
+                        DBG,
+                    )
                     async_copy.mbarrier_arrive(kv_full.index(s), increment_count=False)
             c += n_tiles
+
+    @gluon.jit
+    def _qk_async(q_sub, q1_sub, k_buf, k1_buf, s_zero, DQ1: gl.constexpr):
+        """S = Q K^T as asynchronous wgmmas (a second one for key columns past 128 when DQ1 > 0)."""
+        tok = warpgroup_mma(q_sub, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if DQ1 > 0:
+            tok = warpgroup_mma(q1_sub, k1_buf.permute((1, 0)), tok, is_async=True)
+        return tok
 
     @gluon.jit
     def _consumer_partition(
@@ -321,7 +398,9 @@ if gluon is not None:
         sched,
         R0: gl.constexpr,
         GROUP: gl.constexpr,
-        D: gl.constexpr,
+        DQ0: gl.constexpr,
+        DQ1: gl.constexpr,
+        DVO: gl.constexpr,
         SUB_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr,
@@ -337,7 +416,9 @@ if gluon is not None:
             stride_qt,
             stride_qh,
             q_smem,
+            q1_smem,
             k_smem,
+            k1_smem,
             v_smem,
             kv_full,
             kv_empty,
@@ -350,16 +431,20 @@ if gluon is not None:
             num_heads_q,
         ) = args
         dtype: gl.constexpr = q_smem.dtype
-        TPW_D: gl.constexpr = D // 8
+        TPW_D: gl.constexpr = DQ0 // 8
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [4, 1], [1, 0])
         S_L: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
         O_L: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DVO, 16]
         )
         P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
         q_sub = q_smem.index(R0 // SUB_M)
+        if DQ1 > 0:
+            q1_sub = q1_smem.index(R0 // SUB_M)
+        else:
+            q1_sub = q_sub
         c = gl.program_id(0) * 0  # key tiles this program has consumed so far
         for r in range(0, _num_rounds(total)):
             w = _work_item(_round_item(r), sched, GROUP, PAGE_SIZE, BLOCK_M, BLOCK_N, CAUSAL, HAS_LSE)
@@ -369,10 +454,22 @@ if gluon is not None:
             tok_l = rows_l // GROUP
             head_l = kv_head * GROUP + rows_l % GROUP
             q_off = (q_start + tok_l).to(gl.int64) * stride_qt + head_l.to(gl.int64) * stride_qh
-            d_l = gl.arange(0, D, gl.SliceLayout(0, LD))
+            d_l = gl.arange(0, DQ0, gl.SliceLayout(0, LD))
             q_tile = gl.load(Q + q_off[:, None] + d_l[None, :], mask=(tok_l < q_len)[:, None], other=0.0)
+            if DQ1 > 0:  # key columns [DQ0, DQ0 + DQ1) (Dqk 192)
+                LD1: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DQ1 // 8), DQ1 // 8], [4, 1], [1, 0])
+                rows_1 = row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, LD1))
+                tok_1 = rows_1 // GROUP
+                head_1 = kv_head * GROUP + rows_1 % GROUP
+                q1_off = (q_start + tok_1).to(gl.int64) * stride_qt + head_1.to(gl.int64) * stride_qh
+                d_1 = DQ0 + gl.arange(0, DQ1, gl.SliceLayout(0, LD1))
+                q1_tile = gl.load(
+                    Q + q1_off[:, None] + d_1[None, :], mask=(tok_1 < q_len)[:, None], other=0.0
+                )
             gl.thread_barrier()
             q_sub.store(q_tile)
+            if DQ1 > 0:
+                q1_sub.store(q1_tile)
             fence_async_shared()
             gl.thread_barrier()
             rows_s = row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, S_L))
@@ -380,16 +477,14 @@ if gluon is not None:
             diag = tok_s + (kv_len - q_len)
             m_i = gl.full([SUB_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
             l_i = gl.zeros([SUB_M], gl.float32, gl.SliceLayout(1, S_L))
-            acc = gl.zeros([SUB_M, D], gl.float32, O_L)
+            acc = gl.zeros([SUB_M, DVO], gl.float32, O_L)
             s_zero = gl.zeros([SUB_M, BLOCK_N], gl.float32, S_L)
             p_op = gl.zeros([SUB_M, BLOCK_N], dtype, P_L)
             if n_tiles > 0:  # tile 0: nothing to overlap its softmax with yet
                 s0 = c % STAGES
                 mbarrier.wait(kv_full.index(s0), (c // STAGES) & 1)
                 fence_async_shared()
-                s_tok = warpgroup_mma(
-                    q_sub, k_smem.index(s0).permute((1, 0)), s_zero, use_acc=False, is_async=True
-                )
+                s_tok = _qk_async(q_sub, q1_sub, k_smem.index(s0), k1_smem.index(s0), s_zero, DQ1)
                 sc = warpgroup_mma_wait(0, deps=[s_tok])
                 if full > 0:
                     p, m_i, l_i, alpha = _softmax(sc, m_i, l_i, qk_scale, 0, diag, kv_len, False, CAUSAL)
@@ -402,9 +497,7 @@ if gluon is not None:
                 mbarrier.wait(kv_full.index(s), ((c + j) // STAGES) & 1)
                 fence_async_shared()
                 # S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together; softmax(S_j) overlaps PV
-                s_tok = warpgroup_mma(
-                    q_sub, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True
-                )
+                s_tok = _qk_async(q_sub, q1_sub, k_smem.index(s), k1_smem.index(s), s_zero, DQ1)
                 o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
                 sc = warpgroup_mma_wait(1, deps=[s_tok])
                 if (DBG & 2) != 0:
@@ -437,7 +530,7 @@ if gluon is not None:
             tok_o = rows_o // GROUP
             head_o = kv_head * GROUP + rows_o % GROUP
             o_off = (o_start + tok_o).to(gl.int64) * stride_ot + head_o.to(gl.int64) * stride_oh
-            d_o = gl.arange(0, D, gl.SliceLayout(0, O_L))
+            d_o = gl.arange(0, DVO, gl.SliceLayout(0, O_L))
             gl.store(Out + o_off[:, None] + d_o[None, :], o, mask=(tok_o < q_len)[:, None])
             if HAS_LSE:
                 head_s = kv_head * GROUP + rows_s % GROUP
@@ -475,6 +568,7 @@ if gluon is not None:
         num_heads_q,
         num_kv_heads,
         k_desc,
+        k1_desc,
         v_desc,
         k_page_rows,
         k_head_off,
@@ -482,7 +576,8 @@ if gluon is not None:
         v_head_off,
         GROUP: gl.constexpr,
         PAGE_SIZE: gl.constexpr,
-        D: gl.constexpr,
+        DQK: gl.constexpr,
+        DVO: gl.constexpr,
         BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
         CAUSAL: gl.constexpr,
@@ -507,13 +602,20 @@ if gluon is not None:
         consumers finish the last one."""
         SUB_M: gl.constexpr = 64
         dtype: gl.constexpr = Q.dtype.element_ty
-        TPW_D: gl.constexpr = D // 8
-        LD_W: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [LOAD_WARPS, 1], [1, 0])
+        # key columns in two parts of power-of-two widths: Dqk 192 = 128 + 64
+        DQ0: gl.constexpr = DQK if DQK <= 128 else 128
+        DQ1: gl.constexpr = DQK - DQ0
         SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
-        q_smem = gl.allocate_shared_memory(dtype, [NC, SUB_M, D], SMEM)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], SMEM)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], SMEM)
+        q_smem = gl.allocate_shared_memory(dtype, [NC, SUB_M, DQ0], SMEM)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DQ0], SMEM)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DVO], SMEM)
+        if DQ1 > 0:
+            q1_smem = gl.allocate_shared_memory(dtype, [NC, SUB_M, DQ1], SMEM)
+            k1_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DQ1], SMEM)
+        else:  # (unused)
+            q1_smem = q_smem
+            k1_smem = k_smem
         kv_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -538,7 +640,9 @@ if gluon is not None:
             gl.to_tensor(stride_qt),
             gl.to_tensor(stride_qh),
             q_smem,
+            q1_smem,
             k_smem,
+            k1_smem,
             v_smem,
             kv_full,
             kv_empty,
@@ -550,7 +654,7 @@ if gluon is not None:
             gl.to_tensor(stride_oh),
             gl.to_tensor(num_heads_q),
         )
-        load = (k_smem, v_smem, kv_full, kv_empty, total)
+        load = (k_smem, k1_smem, v_smem, kv_full, kv_empty, total)
         gather = (
             K,
             V,
@@ -582,7 +686,9 @@ if gluon is not None:
                             sched,
                             ZERO,
                             GROUP,
-                            D,
+                            DQ0,
+                            DQ1,
+                            DVO,
                             SUB_M,
                             BLOCK_N,
                             STAGES,
@@ -600,7 +706,9 @@ if gluon is not None:
                             sched,
                             R1,
                             GROUP,
-                            D,
+                            DQ0,
+                            DQ1,
+                            DVO,
                             SUB_M,
                             BLOCK_N,
                             STAGES,
@@ -618,13 +726,16 @@ if gluon is not None:
                             gather,
                             sched,
                             k_desc,
+                            k1_desc,
                             v_desc,
                             tma_ints,
                             PAGE_SIZE,
                             BLOCK_N,
-                            D,
+                            DQ0,
+                            DQ1,
+                            DVO,
                             STAGES,
-                            LD_W,
+                            LOAD_WARPS,
                             DBG,
                             USE_TMA,
                             PAGE_BOX,
@@ -649,7 +760,9 @@ if gluon is not None:
                             sched,
                             ZERO,
                             GROUP,
-                            D,
+                            DQ0,
+                            DQ1,
+                            DVO,
                             SUB_M,
                             BLOCK_N,
                             STAGES,
@@ -667,7 +780,9 @@ if gluon is not None:
                             sched,
                             R1,
                             GROUP,
-                            D,
+                            DQ0,
+                            DQ1,
+                            DVO,
                             SUB_M,
                             BLOCK_N,
                             STAGES,
@@ -685,7 +800,9 @@ if gluon is not None:
                             sched,
                             R2,
                             GROUP,
-                            D,
+                            DQ0,
+                            DQ1,
+                            DVO,
                             SUB_M,
                             BLOCK_N,
                             STAGES,
@@ -703,13 +820,16 @@ if gluon is not None:
                             gather,
                             sched,
                             k_desc,
+                            k1_desc,
                             v_desc,
                             tma_ints,
                             PAGE_SIZE,
                             BLOCK_N,
-                            D,
+                            DQ0,
+                            DQ1,
+                            DVO,
                             STAGES,
-                            LD_W,
+                            LOAD_WARPS,
                             DBG,
                             USE_TMA,
                             PAGE_BOX,
@@ -733,8 +853,8 @@ def unavailable_reason(batch: PrefillBatch) -> str | None:
     dt = batch.q.dtype
     if dt not in (torch.float16, torch.bfloat16) or batch.k.dtype != dt or batch.v.dtype != dt:
         return "q, k and v must share one 16-bit dtype"
-    if batch.head_dim_qk != batch.head_dim_vo or batch.head_dim_qk not in (64, 128):
-        return "head dims other than Dqk = Dvo in {64, 128}"
+    if (batch.head_dim_qk, batch.head_dim_vo) not in ((64, 64), (128, 128), (192, 128)):
+        return "head dims other than Dqk = Dvo in {64, 128} and Dqk 192 / Dvo 128"
     if not batch.scale > 0 or any(x is not None for x in (batch.q_scale, batch.k_scale, batch.v_scale)):
         return "scale tensors or a non-positive scale"
     # cp.async copies 16-byte chunks, and Triton proves an integer's alignment only as "divisible by
@@ -815,15 +935,15 @@ def config() -> Config:
     return cfg
 
 
-def _tma_view(t: torch.Tensor, batch: PrefillBatch, box_rows: int):
-    """A 2-D view of a K or V cache for TMA boxes of ``[box_rows, D]``: ``(descriptor, page_rows,
-    head_off, head_in_rows)``, or None when the strides do not allow one.
+def _tma_view(t: torch.Tensor, batch: PrefillBatch, box_rows: int, d: int):
+    """A 2-D view of a K or V cache (head dim ``d``) for TMA boxes of ``[box_rows, min(d, 128)]``:
+    ``(descriptor, page_rows, head_off, head_in_rows)``, or None when the strides do not allow one.
 
     Row ``page * page_rows + slot`` (paged) or ``start + key`` (ragged) holds the head-0 key row; a
     head is ``head_off`` rows further (HND-like layouts) or ``head_off`` elements to the right
     (NHD-like layouts, where all heads of a token share a row).
     """
-    d, h = batch.head_dim_qk, batch.num_kv_heads
+    h = batch.num_kv_heads
     if batch.paged:
         sp, sh, st = t.stride(0), t.stride(1), t.stride(2)
     else:
@@ -848,12 +968,13 @@ def _tma_view(t: torch.Tensor, batch: PrefillBatch, box_rows: int):
     if rows <= 0 or rows >= 2**31:  # an empty cache (no TMA needed), or past int32 coordinates
         return None
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    desc = TensorDescriptor(t, [rows, cols], [st, 1], [box_rows, d], layout)
+    desc = TensorDescriptor(t, [rows, cols], [st, 1], [box_rows, min(d, 128)], layout)
     return desc, page_rows, head_off, head_rows
 
 
 def _tma_plan(batch: PrefillBatch, cfg: Config):
-    """``(box_rows, k_view, v_view)`` when this call's whole tiles can arrive by TMA, else None."""
+    """``(box_rows, k_view, v_view, k1_desc)`` when this call's whole tiles can arrive by TMA, else
+    None; ``k1_desc`` boxes K's columns past 128 (Dqk 192), else None."""
     if not cfg.tma:
         return None
     if batch.paged:
@@ -862,13 +983,30 @@ def _tma_plan(batch: PrefillBatch, cfg: Config):
             return None
     else:
         box = cfg.BLOCK_N
-    kv = _tma_view(batch.k, batch, box), _tma_view(batch.v, batch, box)
-    return None if None in kv else (box, *kv)
+    kv = _tma_view(batch.k, batch, box, batch.head_dim_qk), _tma_view(batch.v, batch, box, batch.head_dim_vo)
+    if None in kv:
+        return None
+    k1 = None
+    if batch.head_dim_qk > 128:
+        k0 = kv[0][0]
+        k1 = TensorDescriptor(batch.k, k0.shape, k0.strides, [box, batch.head_dim_qk - 128], k0.layout)
+    return (box, *kv, k1)
 
 
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+SMEM_BYTES = 227 * 1024 - 1024  # sm_90's shared memory per block, less room for the barriers
+
+
+def stages(batch: PrefillBatch, cfg: Config) -> int:
+    """``cfg.stages``, or fewer where Q and the K/V ring would not fit in shared memory (Dqk 192)."""
+    esz = batch.q.element_size()
+    q_bytes = cfg.BLOCK_M * batch.head_dim_qk * esz
+    stage_bytes = cfg.BLOCK_N * (batch.head_dim_qk + batch.head_dim_vo) * esz
+    return max(2, min(cfg.stages, (SMEM_BYTES - q_bytes) // stage_bytes))
 
 
 def num_m_blocks(batch: PrefillBatch, cfg: Config) -> int:
@@ -897,7 +1035,7 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
     n_m = num_m_blocks(batch, cfg)
     tma_plan = _tma_plan(batch, cfg)
     if tma_plan:
-        _, k_tma, v_tma = tma_plan
+        _, k_tma, v_tma, k1_desc = tma_plan
         tma_ints = (k_tma[1], k_tma[2], v_tma[1], v_tma[2])
     else:
         tma_ints = (0, 0, 0, 0)
@@ -930,18 +1068,20 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
         batch.num_qo_heads,
         hkv,
         k_tma[0] if tma_plan else None,
+        k1_desc if tma_plan else None,
         v_tma[0] if tma_plan else None,
         *tma_ints,
     )
     kwargs = dict(
         GROUP=batch.group_size,
         PAGE_SIZE=batch.page_size if paged else 0,
-        D=batch.head_dim_qk,
+        DQK=batch.head_dim_qk,
+        DVO=batch.head_dim_vo,
         BLOCK_M=cfg.BLOCK_M,
         BLOCK_N=cfg.BLOCK_N,
         CAUSAL=bool(batch.causal),
         HAS_LSE=batch.lse is not None,
-        STAGES=cfg.stages,
+        STAGES=stages(batch, cfg),
         LOAD_WARPS=cfg.load_warps,
         CONS_REGS=cfg.consumer_regs,
         LOAD_REGS=cfg.load_regs,
