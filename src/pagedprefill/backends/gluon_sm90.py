@@ -26,10 +26,11 @@ Lengths, offsets and page ids are read on the device (CUDA-graph safe, no host s
 that varies per call is ``do_not_specialize``, masks are evaluated only on tiles that cross the
 causal diagonal or the end of the keys, rows without a visible key get out 0 and lse -inf.
 
-Served (:func:`unavailable_reason`): sm_90, one 16-bit dtype for q/k/v, Dqk = Dvo in {64, 128}, a
-positive scale and no scale tensors, K/V strides in multiples of 16 elements.
-``triton_backend.use_gluon`` sends every such call here unless split-KV is chosen; everything else
-takes the Triton kernel. Design notes and measurements: ``docs/triton_kernel.md``.
+Served (:func:`unavailable_reason`): sm_90, one 16-bit dtype for q/k/v, Dqk = Dvo in {64, 128} or
+Dqk 192 / Dvo 128 (key columns in two parts, 128 + 64), a positive scale and no scale tensors, K/V
+strides in multiples of 16 elements. ``triton_backend.use_gluon`` sends every such call here unless
+split-KV is chosen (Dqk 192 only with knob ``gluon=1`` until measured); everything else takes the
+Triton kernel. Design notes and measurements: ``docs/triton_kernel.md``.
 """
 
 from __future__ import annotations
