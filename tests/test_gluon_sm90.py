@@ -101,6 +101,22 @@ def test_tma_plan_mla_boxes_key_columns_in_two_parts():
         assert last_col <= k0.shape[1]
 
 
+def test_runs_gluon_follows_the_split_choice(monkeypatch):
+    """runs_gluon (asked by backend="auto") answers as run() decides: a call that run() would split
+    over KV takes the Triton kernel, whatever the Gluon kernel could serve."""
+    monkeypatch.setattr(tb, "INTERPRETED", False)
+    monkeypatch.setattr(gs, "unavailable_reason", lambda batch: None)
+    short = make_case(1, lens_q=[4], lens_kv=[4000], hq=8, hkv=2, dqk=64, page_size=16, dtype=torch.float16)
+    wide = make_case(
+        1, lens_q=[900] * 8, lens_kv=[900] * 8, hq=8, hkv=2, dqk=64, page_size=16, dtype=torch.float16
+    )
+    for case, splits_expected in ((short, True), (wide, False)):
+        batch = direct_batch(case)
+        split = tb.choose_splits(batch, tb.choose_config(batch)) > 1
+        assert split == splits_expected
+        assert tb.runs_gluon(batch) == (not split)
+
+
 def test_strides_cp_async_cannot_prove_are_refused():
     """A stride of 8 (mod 16) elements is 16-byte aligned, but Triton can only prove 2 bytes: refused."""
     case = make_case(1, lens_q=[5], lens_kv=[9], hq=4, hkv=2, dqk=128, page_size=0, dtype=torch.float16)

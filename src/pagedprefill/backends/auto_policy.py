@@ -7,7 +7,7 @@ host time excluded, and the probes in ``h200-gluon-tma-persistent-probes.log``:
 * page size < 16: Triton's kernels beat cuDNN's paged kernel (page 1: 1.55x eager, 1.50x in CUDA
   graphs; page 4: 1.81x, page 8: 1.13x);
 * fp8 KV cache (cuDNN 9.19 refuses fp8 attention on Hopper): Triton;
-* where the Hopper Gluon kernel serves the call (``triton_backend.use_gluon``) and the prefill is
+* where the Hopper Gluon kernel serves the call (``triton_backend.runs_gluon``) and the prefill is
   long (max_q >= 4096: llama8b_b4_q4k 1.02-1.06x, llama8b_b1_q16k 1.09x) or the head dim is 64
   (1.08-1.13x): Triton;
 * everything else: cuDNN, 0.85-0.98x for us on shorter prefills (llama8b_b16_q1k, page64,
@@ -27,7 +27,7 @@ def _gluon_serves(batch: PrefillBatch) -> bool:
         from pagedprefill.backends import triton_backend
     except ImportError:  # no Triton installed
         return False
-    return triton_backend.use_gluon(batch, splits=1)
+    return triton_backend.runs_gluon(batch)
 
 
 def order(batch: PrefillBatch) -> list[str]:

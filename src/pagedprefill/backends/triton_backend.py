@@ -1254,6 +1254,12 @@ def use_gluon(batch: PrefillBatch, splits: int) -> bool:
     return mode == 1 or batch.head_dim_qk == batch.head_dim_vo
 
 
+def runs_gluon(batch: PrefillBatch) -> bool:
+    """Whether :func:`run` would take the Gluon kernel for this call (its config and split count
+    included), from host ints only."""
+    return use_gluon(batch, choose_splits(batch, choose_config(batch)))
+
+
 def run(batch: PrefillBatch) -> None:
     if batch.batch_size == 0 or batch.max_q == 0:
         return
