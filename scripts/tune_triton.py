@@ -7,7 +7,8 @@ A workload is a name from workloads.json, optionally with ``:key=value`` overrid
 
 Each config is ``BLOCK_M,BLOCK_N,num_warps,num_stages[,lazy[,num_splits]]`` or ``key=value`` pairs
 (e.g. ``gluon=0`` for the Triton kernel, ``gluon=1`` (the default) for the Gluon kernel where it
-serves; the Gluon kernel's own knobs come from ``PAGEDPREFILL_GLUON_CONFIG``); "default" means the
+serves; the Gluon kernel's own knobs as ``g.<knob>``, e.g. ``gluon=1,g.chunk=8``, set
+``PAGEDPREFILL_GLUON_CONFIG`` for that config); "default" means the
 backend's own choice. Times are do_bench medians (L2 flushed); with --graph the call is captured in a CUDA
 graph first so host overhead is excluded. Every timed output is checked against cuDNN's.
 """
@@ -15,6 +16,7 @@ graph first so host overhead is excluded. Every timed output is checked against 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -75,6 +77,7 @@ def main() -> int:
     from pagedprefill.backends import gluon_sm90
 
     gluon_sm90.DIAGNOSTIC_SKIP = args.gluon_diag
+    gluon_env = os.environ.get("PAGEDPREFILL_GLUON_CONFIG", "")
     rows = []
     for name in args.workloads.split(","):
         base, *over = name.split(":")  # e.g. page1_b16_q1k:page_size=8
@@ -93,9 +96,14 @@ def main() -> int:
                 print(f"{name:24s} cudnn failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
         for cfg in parse_configs(args.configs):
             label = "default" if cfg is None else ",".join(str(v) for v in cfg.values())
-            label = label if len(label) <= 12 else ",".join(f"{k[:2]}{v}" for k, v in cfg.items())
+            if cfg and (len(label) > 12 or any(k.startswith("g.") for k in cfg)):
+                label = ",".join(f"{k.removeprefix('g.')[:6]}{v}" for k, v in cfg.items() if k != "gluon")
+            cfg = cfg or {}
+            knobs = ",".join(f"{k[2:]}={v}" for k, v in cfg.items() if k.startswith("g."))
+            os.environ["PAGEDPREFILL_GLUON_CONFIG"] = knobs or gluon_env
+            cfg = {k: v for k, v in cfg.items() if not k.startswith("g.")}
             try:
-                with tb.config_override(**(cfg or {})):
+                with tb.config_override(**cfg):
                     out = prefill(**kw, backend="triton")[0].float()
                     err = 0.0
                     if ref is not None:

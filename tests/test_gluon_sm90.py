@@ -119,14 +119,15 @@ def test_runs_gluon_follows_the_split_choice(monkeypatch):
 
 def test_strides_cp_async_cannot_prove_are_refused():
     """A stride of 8 (mod 16) elements is 16-byte aligned, but Triton can only prove 2 bytes: refused."""
-    case = make_case(1, lens_q=[5], lens_kv=[9], hq=4, hkv=2, dqk=128, page_size=0, dtype=torch.float16)
-    kw = case.kwargs
-    for name in ("k_cache", "v_cache"):
-        t = kw[name]
+    for name in ("q", "k_cache", "v_cache"):  # (q: its rows are cp.async copies too)
+        case = make_case(1, lens_q=[5], lens_kv=[9], hq=4, hkv=2, dqk=128, page_size=0, dtype=torch.float16)
+        assert gs.unavailable_reason(direct_batch(case)) in (None, "not a CUDA device")
+        t = case.kwargs[name]
         wide = torch.zeros(t.shape[0], t.shape[1], 136, dtype=t.dtype)[:, :, :128]  # head stride 136
         wide.copy_(t)
-        kw[name] = wide
-    assert "multiples of 16" in gs.unavailable_reason(direct_batch(case))
+        case.kwargs[name] = wide
+        why = gs.unavailable_reason(direct_batch(case))
+        assert "multiples of 16" in why and why.startswith(name[0]), why
 
 
 def test_diagnostic_skip_warns():
@@ -323,9 +324,13 @@ def gluon_params(seed: int) -> dict:
 @pytest.mark.parametrize("seed", range(500, 540))
 def test_gpu_random_grid_forced(seed, monkeypatch):
     """Forced onto the Gluon kernel; odd seeds shrink the persistent grid to 1-3 programs so that
-    every program walks many work items (the ring's phases carried across items)."""
+    every program walks many work items (the ring's phases carried across items); some seeds deal
+    the items in chunks of 1-4 (sequence, KV head) pairs, some load Q at each item's start."""
     if seed % 2:
         monkeypatch.setattr(gs, "_num_sms", lambda device, n=1 + seed % 3: n)
+    knobs = [f"chunk={1 + seed % 4}"] if seed % 3 == 0 else []
+    knobs += ["q_prefetch=0"] if seed % 5 == 0 else []
+    monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", ",".join(knobs))
     params = gluon_params(seed)
     case = make_case(seed, **params)
     batch = direct_batch(case)
@@ -392,9 +397,7 @@ def test_gpu_default_routing():
     mla = make_case(
         3, lens_q=[30], lens_kv=[90], hq=8, hkv=2, dqk=192, dvo=128, dtype=torch.bfloat16, device="cuda"
     )
-    assert not tb.use_gluon(direct_batch(mla), 1)  # served, not yet measured: only with gluon=1
-    with tb.config_override(gluon=1):
-        assert tb.use_gluon(direct_batch(mla), 1)
+    assert tb.use_gluon(direct_batch(mla), 1)
     with tb.config_override(gluon=0):
         assert not tb.use_gluon(direct_batch(case()), 1)
 

@@ -16,21 +16,23 @@ snake order (``_round_item``). Each program's warps are split (``gl.warp_special
   K/V); otherwise a ``cp.async`` gather (page ids from the block table, clamped; any page size and
   page strides; rows past the tile's key range zero-filled) that arrives on ``kv_full`` when its
   copies land;
-* **consumer warpgroups** (``consumers`` x 4 warps, 64 rows each): per item, load their Q rows into
-  shared memory, then per tile ``j``: wait ``kv_full``, issue ``S_j = Q K_j^T`` and ``O += P_{j-1}
-  V_{j-1}`` as asynchronous wgmmas, wait for ``S_j`` only, run the online softmax of tile ``j`` while
-  the PV GEMM still runs, wait for it, release stage ``j - 1`` and rescale ``O``. Consumers are not
-  synchronised with each other, so one's softmax also overlaps another's GEMMs.
+* **consumer warpgroups** (``consumers`` x 4 warps, 64 rows each): per item, wait for their Q rows
+  (``cp.async`` copies into their own slot of shared memory, issued while the previous item's last
+  PV GEMM and epilogue ran; ``Config.q_prefetch``), then per tile ``j``: wait ``kv_full``, issue
+  ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` as asynchronous wgmmas, wait for ``S_j`` only, run
+  the online softmax of tile ``j`` while the PV GEMM still runs, wait for it, release stage ``j - 1``
+  and rescale ``O``. Consumers are not synchronised with each other, so one's softmax also overlaps
+  another's GEMMs.
 
 Lengths, offsets and page ids are read on the device (CUDA-graph safe, no host sync), every integer
 that varies per call is ``do_not_specialize``, masks are evaluated only on tiles that cross the
 causal diagonal or the end of the keys, rows without a visible key get out 0 and lse -inf.
 
 Served (:func:`unavailable_reason`): sm_90, one 16-bit dtype for q/k/v, Dqk = Dvo in {64, 128} or
-Dqk 192 / Dvo 128 (key columns in two parts, 128 + 64), a positive scale and no scale tensors, K/V
-strides in multiples of 16 elements. ``triton_backend.use_gluon`` sends every such call here unless
-split-KV is chosen (Dqk 192 only with knob ``gluon=1`` until measured); everything else takes the
-Triton kernel. Design notes and measurements: ``docs/triton_kernel.md``.
+Dqk 192 / Dvo 128 (key columns in two parts, 128 + 64), a positive scale and no scale tensors,
+q, K and V strides in multiples of 16 elements. ``triton_backend.use_gluon`` sends every such call
+here unless split-KV is chosen; everything else takes the Triton kernel. Design notes and
+measurements: ``docs/triton_kernel.md``.
 """
 
 from __future__ import annotations
@@ -204,14 +206,20 @@ if gluon is not None:
         HAS_LSE: gl.constexpr,
     ):
         """Work item -> its sequence, KV head, row block and key range. Items run heaviest row block
-        first (``item // (Hkv * B)`` counts row blocks down from the last); ``item >= total`` (a last
-        round's missing items) decodes as the last item with ``q_len = 0``: no tiles, no stores."""
-        META, BT, meta_stride, bt_stride, num_kv_heads, n_bh, num_m_blocks = sched
+        first within a chunk of (sequence, KV head) pairs (``Config.chunk``; one chunk of all pairs by
+        default); ``item >= total`` (a last round's missing items) decodes as the last item with
+        ``q_len = 0``: no tiles, no stores."""
+        META, BT, meta_stride, bt_stride, num_kv_heads, n_bh, num_m_blocks, chunk = sched
         total = n_bh * num_m_blocks
         valid = item < total
         item = gl.minimum(item, total - 1)  # (so that b < batch size: META is read unmasked)
-        z = item // n_bh
-        rem = item - z * n_bh
+        # chunks of `chunk` (sequence, KV head) pairs, one after the other; in a chunk, row blocks
+        # heaviest first (z), then pairs: items running at once share their pairs' K/V in L2
+        k = item // (chunk * num_m_blocks)
+        within = item - k * (chunk * num_m_blocks)
+        in_chunk = gl.minimum(chunk, n_bh - k * chunk)  # (the last chunk may be short)
+        z = within // in_chunk
+        rem = k * chunk + within - z * in_chunk
         b = rem // num_kv_heads
         kv_head = rem - b * num_kv_heads
         row0 = (num_m_blocks - 1 - z) * BLOCK_M
@@ -394,6 +402,45 @@ if gluon is not None:
         return tok
 
     @gluon.jit
+    def _load_q_async(
+        q_sub,
+        q1_sub,
+        w,
+        qargs,
+        R0: gl.constexpr,
+        GROUP: gl.constexpr,
+        SUB_M: gl.constexpr,
+        DQ0: gl.constexpr,
+        DQ1: gl.constexpr,
+    ):
+        """cp.async copies of work item w's Q rows [row0 + R0, row0 + R0 + SUB_M) into q_sub (key
+        columns past DQ0 into q1_sub), rows past the sequence zero-filled; one commit group."""
+        Q, stride_qt, stride_qh = qargs
+        kv_head, row0, q_len, _, q_start = w[0], w[1], w[2], w[3], w[4]
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DQ0 // 8), DQ0 // 8], [4, 1], [1, 0])
+        rows = row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, LD))
+        tok = rows // GROUP
+        off = (q_start + tok).to(gl.int64) * stride_qt + (kv_head * GROUP + rows % GROUP).to(
+            gl.int64
+        ) * stride_qh
+        d = gl.arange(0, DQ0, gl.SliceLayout(0, LD))
+        async_copy.async_copy_global_to_shared(
+            q_sub, Q + off[:, None] + d[None, :], mask=(tok < q_len)[:, None]
+        )
+        if DQ1 > 0:
+            LD1: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DQ1 // 8), DQ1 // 8], [4, 1], [1, 0])
+            rows1 = row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, LD1))
+            tok1 = rows1 // GROUP
+            off1 = (q_start + tok1).to(gl.int64) * stride_qt + (kv_head * GROUP + rows1 % GROUP).to(
+                gl.int64
+            ) * stride_qh
+            d1 = DQ0 + gl.arange(0, DQ1, gl.SliceLayout(0, LD1))
+            async_copy.async_copy_global_to_shared(
+                q1_sub, Q + off1[:, None] + d1[None, :], mask=(tok1 < q_len)[:, None]
+            )
+        async_copy.commit_group()
+
+    @gluon.jit
     def _consumer_partition(
         args,
         sched,
@@ -410,6 +457,7 @@ if gluon is not None:
         DBG: gl.constexpr,
         PAGE_SIZE: gl.constexpr,
         BLOCK_M: gl.constexpr,
+        Q_PREFETCH: gl.constexpr,
     ):
         """One consumer warpgroup: rows [row0 + R0, row0 + R0 + SUB_M) of each work item's block."""
         (
@@ -432,8 +480,6 @@ if gluon is not None:
             num_heads_q,
         ) = args
         dtype: gl.constexpr = q_smem.dtype
-        TPW_D: gl.constexpr = DQ0 // 8
-        LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [4, 1], [1, 0])
         S_L: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
@@ -446,31 +492,18 @@ if gluon is not None:
             q1_sub = q1_smem.index(R0 // SUB_M)
         else:
             q1_sub = q_sub
+        qargs = (Q, stride_qt, stride_qh)
+        if Q_PREFETCH:  # the first item's Q; each item then prefetches the next one's
+            w0 = _work_item(_round_item(0), sched, GROUP, PAGE_SIZE, BLOCK_M, BLOCK_N, CAUSAL, False)
+            _load_q_async(q_sub, q1_sub, w0, qargs, R0, GROUP, SUB_M, DQ0, DQ1)
         c = gl.program_id(0) * 0  # key tiles this program has consumed so far
         for r in range(0, _num_rounds(total)):
             w = _work_item(_round_item(r), sched, GROUP, PAGE_SIZE, BLOCK_M, BLOCK_N, CAUSAL, HAS_LSE)
             kv_head, row0, q_len, kv_len, q_start, o_start, lse_start, _, _, _, _, full, n_tiles = w
-            # this warpgroup's Q rows -> its own slot of q_smem (the previous item's GEMMs are done)
-            rows_l = row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, LD))
-            tok_l = rows_l // GROUP
-            head_l = kv_head * GROUP + rows_l % GROUP
-            q_off = (q_start + tok_l).to(gl.int64) * stride_qt + head_l.to(gl.int64) * stride_qh
-            d_l = gl.arange(0, DQ0, gl.SliceLayout(0, LD))
-            q_tile = gl.load(Q + q_off[:, None] + d_l[None, :], mask=(tok_l < q_len)[:, None], other=0.0)
-            if DQ1 > 0:  # key columns [DQ0, DQ0 + DQ1) (Dqk 192)
-                LD1: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DQ1 // 8), DQ1 // 8], [4, 1], [1, 0])
-                rows_1 = row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, LD1))
-                tok_1 = rows_1 // GROUP
-                head_1 = kv_head * GROUP + rows_1 % GROUP
-                q1_off = (q_start + tok_1).to(gl.int64) * stride_qt + head_1.to(gl.int64) * stride_qh
-                d_1 = DQ0 + gl.arange(0, DQ1, gl.SliceLayout(0, LD1))
-                q1_tile = gl.load(
-                    Q + q1_off[:, None] + d_1[None, :], mask=(tok_1 < q_len)[:, None], other=0.0
-                )
-            gl.thread_barrier()
-            q_sub.store(q_tile)
-            if DQ1 > 0:
-                q1_sub.store(q1_tile)
+            if not Q_PREFETCH:
+                _load_q_async(q_sub, q1_sub, w, qargs, R0, GROUP, SUB_M, DQ0, DQ1)
+            # this warpgroup's Q rows have landed in its own slot of q_smem: visible to the wgmmas
+            async_copy.wait_group(0)
             fence_async_shared()
             gl.thread_barrier()
             rows_s = row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, S_L))
@@ -516,6 +549,13 @@ if gluon is not None:
                 mbarrier.arrive(kv_empty.index(prev))
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
                 p_op = gl.convert_layout(p.to(dtype), P_L)
+            if Q_PREFETCH:
+                # every warp is past its last S = Q K^T: the next item's Q may overwrite q_sub while
+                # this item's last PV GEMM and its epilogue run (past the last round: q_len = 0,
+                # nothing read)
+                gl.thread_barrier()
+                wn = _work_item(_round_item(r + 1), sched, GROUP, PAGE_SIZE, BLOCK_M, BLOCK_N, CAUSAL, False)
+                _load_q_async(q_sub, q1_sub, wn, qargs, R0, GROUP, SUB_M, DQ0, DQ1)
             if n_tiles > 0:
                 last = (c + n_tiles - 1) % STAGES
                 o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
@@ -537,9 +577,17 @@ if gluon is not None:
                 head_s = kv_head * GROUP + rows_s % GROUP
                 lse_off = lse_start.to(gl.int64) + tok_s.to(gl.int64) * num_heads_q + head_s
                 gl.store(LSE + lse_off, lse2 * 0.6931471805599453, mask=tok_s < q_len)
+        async_copy.wait_group(0)  # (the prefetch past the last round: no copies left in flight at exit)
 
     @gluon.jit(
-        do_not_specialize=["meta_stride", "batch_size", "num_m_blocks", "num_pages", "bt_stride"],
+        do_not_specialize=[
+            "meta_stride",
+            "batch_size",
+            "num_m_blocks",
+            "num_pages",
+            "bt_stride",
+            "chunk_pairs",
+        ],
         do_not_specialize_on_alignment=["BT", "LSE"],
     )
     def _attention_kernel(
@@ -568,6 +616,7 @@ if gluon is not None:
         stride_oh,
         num_heads_q,
         num_kv_heads,
+        chunk_pairs,
         k_desc,
         k1_desc,
         v_desc,
@@ -593,6 +642,7 @@ if gluon is not None:
         PAGE_BOX: gl.constexpr,
         K_HEAD_ROWS: gl.constexpr,
         V_HEAD_ROWS: gl.constexpr,
+        Q_PREFETCH: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each (BLOCK_M = 64 * NC); the
@@ -634,6 +684,7 @@ if gluon is not None:
             gl.to_tensor(num_kv_heads),
             n_bh,
             gl.to_tensor(num_m_blocks),
+            gl.to_tensor(chunk_pairs),
         )
         total = n_bh * num_m_blocks
         cons = (
@@ -698,6 +749,7 @@ if gluon is not None:
                             DBG,
                             PAGE_SIZE,
                             BLOCK_M,
+                            Q_PREFETCH,
                         ),
                     ),
                     (
@@ -718,6 +770,7 @@ if gluon is not None:
                             DBG,
                             PAGE_SIZE,
                             BLOCK_M,
+                            Q_PREFETCH,
                         ),
                     ),
                     (
@@ -772,6 +825,7 @@ if gluon is not None:
                             DBG,
                             PAGE_SIZE,
                             BLOCK_M,
+                            Q_PREFETCH,
                         ),
                     ),
                     (
@@ -792,6 +846,7 @@ if gluon is not None:
                             DBG,
                             PAGE_SIZE,
                             BLOCK_M,
+                            Q_PREFETCH,
                         ),
                     ),
                     (
@@ -812,6 +867,7 @@ if gluon is not None:
                             DBG,
                             PAGE_SIZE,
                             BLOCK_M,
+                            Q_PREFETCH,
                         ),
                     ),
                     (
@@ -860,7 +916,7 @@ def unavailable_reason(batch: PrefillBatch) -> str | None:
         return "scale tensors or a non-positive scale"
     # cp.async copies 16-byte chunks, and Triton proves an integer's alignment only as "divisible by
     # 16": every K/V stride must be a multiple of 16 elements
-    for name, t in (("k", batch.k), ("v", batch.v)):
+    for name, t in (("q", batch.q), ("k", batch.k), ("v", batch.v)):
         if t.data_ptr() % 16 or t.stride(-1) != 1 or any(st % 16 for st in t.stride()[:-1]):
             return (
                 f"{name} strides are not multiples of 16 elements, or its rows not 16-byte aligned (cp.async)"
@@ -888,6 +944,8 @@ class Config:
     load_regs: int = 56
     tma: int = 1  # bulk-tensor (TMA) copies for whole tiles where the cache allows (pages >= 16, ragged)
     persistent: int = 1  # programs per SM, each looping over work items; 0: one program per work item
+    q_prefetch: int = 1  # load the next work item's Q while the current one finishes (0: at its start)
+    chunk: int = 0  # (sequence, KV head) pairs whose row blocks are dealt together; 0: all pairs
 
     @property
     def BLOCK_M(self) -> int:
@@ -931,6 +989,8 @@ def config() -> Config:
         why = "registers over budget: 128 * consumers * consumer_regs + 32 * load_warps * load_regs > 65536"
     elif not 0 <= cfg.persistent <= 4:
         why = f"persistent must be 0 (off) or 1-4 programs per SM, got {cfg.persistent}"
+    elif cfg.q_prefetch not in (0, 1) or cfg.chunk < 0:
+        why = f"q_prefetch must be 0 or 1 and chunk >= 0, got {cfg.q_prefetch} and {cfg.chunk}"
     if why:
         raise ValueError(f"PAGEDPREFILL_GLUON_CONFIG: {why}")
     return cfg
@@ -1068,6 +1128,7 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
         out.stride(1),
         batch.num_qo_heads,
         hkv,
+        min(cfg.chunk, hkv * bsz) if cfg.chunk > 0 else hkv * bsz,
         k_tma[0] if tma_plan else None,
         k1_desc if tma_plan else None,
         v_tma[0] if tma_plan else None,
@@ -1092,6 +1153,7 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
         PAGE_BOX=tma_plan[0] if tma_plan else 0,
         K_HEAD_ROWS=bool(tma_plan and k_tma[3]),
         V_HEAD_ROWS=bool(tma_plan and v_tma[3]),
+        Q_PREFETCH=bool(cfg.q_prefetch),
         num_warps=4,
     )
     return [(_attention_kernel, (grid,), args, kwargs)]

@@ -1242,16 +1242,15 @@ def compile_count() -> int:
 def use_gluon(batch: PrefillBatch, splits: int) -> bool:
     """Whether this call runs the Hopper Gluon kernel (``gluon_sm90``) instead of ``_prefill_kernel``.
 
-    Wherever it can serve the call (sm_90, 16-bit q/k/v, Dqk = Dvo in {64, 128}, no scale tensors,
-    16-element K/V strides, no split-KV): on the H200 it was faster than the Triton kernel on every
-    shape measured, paged (page sizes 1, 4, 8, 16, 64) and ragged, D = 64 and 128
-    (``docs/triton_kernel.md``). Dqk 192 / Dvo 128 is served too but not yet measured on a GPU: only
-    with knob ``gluon=1``. Knob ``gluon=0`` turns the Gluon kernel off.
+    Wherever it can serve the call (sm_90, 16-bit q/k/v, Dqk = Dvo in {64, 128} or Dqk 192 / Dvo
+    128, no scale tensors, 16-element q/K/V strides, no split-KV): on the H200 it was faster than the
+    Triton kernel on every shape measured, paged (page sizes 1, 4, 8, 16, 64) and ragged, D = 64 and
+    128, and Dqk 192 / Dvo 128 (``docs/triton_kernel.md``). Knob ``gluon=0`` turns it off.
     """
     mode = {**_env_override(), **_OVERRIDE}.get("gluon")
-    if mode == 0 or INTERPRETED or splits > 1 or gluon_sm90.unavailable_reason(batch) is not None:
+    if mode == 0 or INTERPRETED or splits > 1:
         return False
-    return mode == 1 or batch.head_dim_qk == batch.head_dim_vo
+    return gluon_sm90.unavailable_reason(batch) is None
 
 
 def runs_gluon(batch: PrefillBatch) -> bool:
