@@ -441,6 +441,29 @@ if gluon is not None:
         async_copy.commit_group()
 
     @gluon.jit
+    def _prefetch_q(
+        q_sub,
+        q1_sub,
+        r,
+        sched,
+        qargs,
+        R0: gl.constexpr,
+        GROUP: gl.constexpr,
+        PAGE_SIZE: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        SUB_M: gl.constexpr,
+        DQ0: gl.constexpr,
+        DQ1: gl.constexpr,
+    ):
+        """Once every warp of the warpgroup is done with q_sub: copies for round r's Q rows (past the
+        last round: q_len = 0, nothing read)."""
+        gl.thread_barrier()
+        w = _work_item(_round_item(r), sched, GROUP, PAGE_SIZE, BLOCK_M, BLOCK_N, CAUSAL, False)
+        _load_q_async(q_sub, q1_sub, w, qargs, R0, GROUP, SUB_M, DQ0, DQ1)
+
+    @gluon.jit
     def _consumer_partition(
         args,
         sched,
@@ -549,18 +572,47 @@ if gluon is not None:
                 mbarrier.arrive(kv_empty.index(prev))
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
                 p_op = gl.convert_layout(p.to(dtype), P_L)
-            if Q_PREFETCH:
-                # every warp is past its last S = Q K^T: the next item's Q may overwrite q_sub while
-                # this item's last PV GEMM and its epilogue run (past the last round: q_len = 0,
-                # nothing read)
-                gl.thread_barrier()
-                wn = _work_item(_round_item(r + 1), sched, GROUP, PAGE_SIZE, BLOCK_M, BLOCK_N, CAUSAL, False)
-                _load_q_async(q_sub, q1_sub, wn, qargs, R0, GROUP, SUB_M, DQ0, DQ1)
+            # (Q_PREFETCH: every warp is past its last S = Q K^T, so the next item's Q may overwrite
+            # q_sub while this item's last PV GEMM and its epilogue run)
             if n_tiles > 0:
                 last = (c + n_tiles - 1) % STAGES
                 o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+                if Q_PREFETCH:
+                    _prefetch_q(
+                        q_sub,
+                        q1_sub,
+                        r + 1,
+                        sched,
+                        qargs,
+                        R0,
+                        GROUP,
+                        PAGE_SIZE,
+                        BLOCK_M,
+                        BLOCK_N,
+                        CAUSAL,
+                        SUB_M,
+                        DQ0,
+                        DQ1,
+                    )
                 acc = warpgroup_mma_wait(0, deps=[o_tok])
                 mbarrier.arrive(kv_empty.index(last))
+            elif Q_PREFETCH:
+                _prefetch_q(
+                    q_sub,
+                    q1_sub,
+                    r + 1,
+                    sched,
+                    qargs,
+                    R0,
+                    GROUP,
+                    PAGE_SIZE,
+                    BLOCK_M,
+                    BLOCK_N,
+                    CAUSAL,
+                    SUB_M,
+                    DQ0,
+                    DQ1,
+                )
             c += n_tiles
 
             has_key = l_i > 0.0
