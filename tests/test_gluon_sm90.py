@@ -324,13 +324,11 @@ def gluon_params(seed: int) -> dict:
 @pytest.mark.parametrize("seed", range(500, 540))
 def test_gpu_random_grid_forced(seed, monkeypatch):
     """Forced onto the Gluon kernel; odd seeds shrink the persistent grid to 1-3 programs so that
-    every program walks many work items (the ring's phases carried across items); some seeds deal
-    the items in chunks of 1-4 (sequence, KV head) pairs, some load Q at each item's start."""
+    every program walks many work items (the ring's phases carried across items); the items are
+    dealt in chunks of 0 (all), 1, 2, 3 or the default 4 (sequence, KV head) pairs."""
     if seed % 2:
         monkeypatch.setattr(gs, "_num_sms", lambda device, n=1 + seed % 3: n)
-    knobs = [f"chunk={1 + seed % 4}"] if seed % 3 == 0 else []
-    knobs += ["q_prefetch=0"] if seed % 5 == 0 else []
-    monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", ",".join(knobs))
+    monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", f"chunk={seed % 5}")
     params = gluon_params(seed)
     case = make_case(seed, **params)
     batch = direct_batch(case)

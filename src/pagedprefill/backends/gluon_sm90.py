@@ -16,9 +16,8 @@ snake order (``_round_item``). Each program's warps are split (``gl.warp_special
   K/V); otherwise a ``cp.async`` gather (page ids from the block table, clamped; any page size and
   page strides; rows past the tile's key range zero-filled) that arrives on ``kv_full`` when its
   copies land;
-* **consumer warpgroups** (``consumers`` x 4 warps, 64 rows each): per item, wait for their Q rows
-  (``cp.async`` copies into their own slot of shared memory, issued while the previous item's last
-  PV GEMM and epilogue ran; ``Config.q_prefetch``), then per tile ``j``: wait ``kv_full``, issue
+* **consumer warpgroups** (``consumers`` x 4 warps, 64 rows each): per item, copy their Q rows
+  into their own slot of shared memory (``cp.async``), then per tile ``j``: wait ``kv_full``, issue
   ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` as asynchronous wgmmas, wait for ``S_j`` only, run
   the online softmax of tile ``j`` while the PV GEMM still runs, wait for it, release stage ``j - 1``
   and rescale ``O``. Consumers are not synchronised with each other, so one's softmax also overlaps
@@ -441,29 +440,6 @@ if gluon is not None:
         async_copy.commit_group()
 
     @gluon.jit
-    def _prefetch_q(
-        q_sub,
-        q1_sub,
-        r,
-        sched,
-        qargs,
-        R0: gl.constexpr,
-        GROUP: gl.constexpr,
-        PAGE_SIZE: gl.constexpr,
-        BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr,
-        CAUSAL: gl.constexpr,
-        SUB_M: gl.constexpr,
-        DQ0: gl.constexpr,
-        DQ1: gl.constexpr,
-    ):
-        """Once every warp of the warpgroup is done with q_sub: copies for round r's Q rows (past the
-        last round: q_len = 0, nothing read)."""
-        gl.thread_barrier()
-        w = _work_item(_round_item(r), sched, GROUP, PAGE_SIZE, BLOCK_M, BLOCK_N, CAUSAL, False)
-        _load_q_async(q_sub, q1_sub, w, qargs, R0, GROUP, SUB_M, DQ0, DQ1)
-
-    @gluon.jit
     def _consumer_partition(
         args,
         sched,
@@ -480,7 +456,6 @@ if gluon is not None:
         DBG: gl.constexpr,
         PAGE_SIZE: gl.constexpr,
         BLOCK_M: gl.constexpr,
-        Q_PREFETCH: gl.constexpr,
     ):
         """One consumer warpgroup: rows [row0 + R0, row0 + R0 + SUB_M) of each work item's block."""
         (
@@ -516,16 +491,14 @@ if gluon is not None:
         else:
             q1_sub = q_sub
         qargs = (Q, stride_qt, stride_qh)
-        if Q_PREFETCH:  # the first item's Q; each item then prefetches the next one's
-            w0 = _work_item(_round_item(0), sched, GROUP, PAGE_SIZE, BLOCK_M, BLOCK_N, CAUSAL, False)
-            _load_q_async(q_sub, q1_sub, w0, qargs, R0, GROUP, SUB_M, DQ0, DQ1)
         c = gl.program_id(0) * 0  # key tiles this program has consumed so far
         for r in range(0, _num_rounds(total)):
             w = _work_item(_round_item(r), sched, GROUP, PAGE_SIZE, BLOCK_M, BLOCK_N, CAUSAL, HAS_LSE)
             kv_head, row0, q_len, kv_len, q_start, o_start, lse_start, _, _, _, _, full, n_tiles = w
-            if not Q_PREFETCH:
-                _load_q_async(q_sub, q1_sub, w, qargs, R0, GROUP, SUB_M, DQ0, DQ1)
-            # this warpgroup's Q rows have landed in its own slot of q_smem: visible to the wgmmas
+            # this warpgroup's Q rows -> its own slot of q_smem, once all its warps are past the
+            # previous item's GEMMs
+            gl.thread_barrier()
+            _load_q_async(q_sub, q1_sub, w, qargs, R0, GROUP, SUB_M, DQ0, DQ1)
             async_copy.wait_group(0)
             fence_async_shared()
             gl.thread_barrier()
@@ -572,47 +545,11 @@ if gluon is not None:
                 mbarrier.arrive(kv_empty.index(prev))
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
                 p_op = gl.convert_layout(p.to(dtype), P_L)
-            # (Q_PREFETCH: every warp is past its last S = Q K^T, so the next item's Q may overwrite
-            # q_sub while this item's last PV GEMM and its epilogue run)
             if n_tiles > 0:
                 last = (c + n_tiles - 1) % STAGES
                 o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-                if Q_PREFETCH:
-                    _prefetch_q(
-                        q_sub,
-                        q1_sub,
-                        r + 1,
-                        sched,
-                        qargs,
-                        R0,
-                        GROUP,
-                        PAGE_SIZE,
-                        BLOCK_M,
-                        BLOCK_N,
-                        CAUSAL,
-                        SUB_M,
-                        DQ0,
-                        DQ1,
-                    )
                 acc = warpgroup_mma_wait(0, deps=[o_tok])
                 mbarrier.arrive(kv_empty.index(last))
-            elif Q_PREFETCH:
-                _prefetch_q(
-                    q_sub,
-                    q1_sub,
-                    r + 1,
-                    sched,
-                    qargs,
-                    R0,
-                    GROUP,
-                    PAGE_SIZE,
-                    BLOCK_M,
-                    BLOCK_N,
-                    CAUSAL,
-                    SUB_M,
-                    DQ0,
-                    DQ1,
-                )
             c += n_tiles
 
             has_key = l_i > 0.0
@@ -629,7 +566,6 @@ if gluon is not None:
                 head_s = kv_head * GROUP + rows_s % GROUP
                 lse_off = lse_start.to(gl.int64) + tok_s.to(gl.int64) * num_heads_q + head_s
                 gl.store(LSE + lse_off, lse2 * 0.6931471805599453, mask=tok_s < q_len)
-        async_copy.wait_group(0)  # (the prefetch past the last round: no copies left in flight at exit)
 
     @gluon.jit(
         do_not_specialize=[
@@ -694,7 +630,6 @@ if gluon is not None:
         PAGE_BOX: gl.constexpr,
         K_HEAD_ROWS: gl.constexpr,
         V_HEAD_ROWS: gl.constexpr,
-        Q_PREFETCH: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each (BLOCK_M = 64 * NC); the
@@ -801,7 +736,6 @@ if gluon is not None:
                             DBG,
                             PAGE_SIZE,
                             BLOCK_M,
-                            Q_PREFETCH,
                         ),
                     ),
                     (
@@ -822,7 +756,6 @@ if gluon is not None:
                             DBG,
                             PAGE_SIZE,
                             BLOCK_M,
-                            Q_PREFETCH,
                         ),
                     ),
                     (
@@ -877,7 +810,6 @@ if gluon is not None:
                             DBG,
                             PAGE_SIZE,
                             BLOCK_M,
-                            Q_PREFETCH,
                         ),
                     ),
                     (
@@ -898,7 +830,6 @@ if gluon is not None:
                             DBG,
                             PAGE_SIZE,
                             BLOCK_M,
-                            Q_PREFETCH,
                         ),
                     ),
                     (
@@ -919,7 +850,6 @@ if gluon is not None:
                             DBG,
                             PAGE_SIZE,
                             BLOCK_M,
-                            Q_PREFETCH,
                         ),
                     ),
                     (
@@ -996,8 +926,7 @@ class Config:
     load_regs: int = 56
     tma: int = 1  # bulk-tensor (TMA) copies for whole tiles where the cache allows (pages >= 16, ragged)
     persistent: int = 1  # programs per SM, each looping over work items; 0: one program per work item
-    q_prefetch: int = 1  # load the next work item's Q while the current one finishes (0: at its start)
-    chunk: int = 0  # (sequence, KV head) pairs whose row blocks are dealt together; 0: all pairs
+    chunk: int = 4  # (sequence, KV head) pairs whose row blocks are dealt together; 0: all pairs
 
     @property
     def BLOCK_M(self) -> int:
@@ -1041,8 +970,8 @@ def config() -> Config:
         why = "registers over budget: 128 * consumers * consumer_regs + 32 * load_warps * load_regs > 65536"
     elif not 0 <= cfg.persistent <= 4:
         why = f"persistent must be 0 (off) or 1-4 programs per SM, got {cfg.persistent}"
-    elif cfg.q_prefetch not in (0, 1) or cfg.chunk < 0:
-        why = f"q_prefetch must be 0 or 1 and chunk >= 0, got {cfg.q_prefetch} and {cfg.chunk}"
+    elif cfg.chunk < 0:
+        why = f"chunk must be >= 0 (0: all pairs in one chunk), got {cfg.chunk}"
     if why:
         raise ValueError(f"PAGEDPREFILL_GLUON_CONFIG: {why}")
     return cfg
@@ -1205,7 +1134,6 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
         PAGE_BOX=tma_plan[0] if tma_plan else 0,
         K_HEAD_ROWS=bool(tma_plan and k_tma[3]),
         V_HEAD_ROWS=bool(tma_plan and v_tma[3]),
-        Q_PREFETCH=bool(cfg.q_prefetch),
         num_warps=4,
     )
     return [(_attention_kernel, (grid,), args, kwargs)]
