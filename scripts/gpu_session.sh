@@ -26,15 +26,11 @@ for s in $steps; do
     timeline) timeout 150 python3 scripts/overhead_timeline.py 2>&1 | grep -v -i warn | tee "$OUT/timeline.log" ;;
     gluon) timeout 400 python3 -m pytest -q -x -m gpu tests/test_gluon_sm90.py 2>&1 | tee "$OUT/gluon-tests.log" | tail -5
            W=llama8b_b1_q16k,llama8b_b4_q4k,llama8b_b16_q1k,chunked_b8_q512_p7680,varlen_b32,llama70b_b8_q2k
-           W=$W,noncausal_b8_q2k,page1_b16_q1k,page64_b16_q1k,page1_b16_q1k:page_size=4,page1_b16_q1k:page_size=8
-           W=$W,mla192_b4_q4k  # (Dqk 192 / Dvo 128: the Gluon kernel only with gluon=1 until measured)
-           timeout 150 python3 scripts/tune_triton.py --graph --configs "gluon=0" --workloads $W 2>&1 \
-             | grep -A26 SUMMARY | tee "$OUT/gluon-probe.log"
-           for c in "" "persistent=0" "load_regs=80,consumer_regs=144"; do
-             echo "PAGEDPREFILL_GLUON_CONFIG=$c (gluon=1: the Gluon kernel wherever it serves)"
-             PAGEDPREFILL_GLUON_CONFIG=$c timeout 120 python3 scripts/tune_triton.py --graph --no-cudnn \
-               --configs "gluon=1" --workloads $W 2>&1 | grep -A13 SUMMARY
-           done 2>&1 | tee -a "$OUT/gluon-probe.log" ;;
+           W=$W,noncausal_b8_q2k,page1_b16_q1k,page64_b16_q1k,page1_b16_q1k:page_size=8,mla192_b4_q4k
+           # the Triton kernel (gluon=0), the Gluon kernel's defaults and two of its knobs, beside cuDNN
+           timeout 200 python3 scripts/tune_triton.py --graph --workloads $W \
+             --configs "gluon=0;gluon=1;gluon=1,g.chunk=0;gluon=1,g.persistent=0" 2>&1 \
+             | grep -A60 SUMMARY | tee "$OUT/gluon-probe.log" ;;
     profile) timeout 120 python3 scripts/host_profile.py llama8b_b16_q1k cudnn triton 2>&1 | tee "$OUT/profile.log" | grep -A6 "host us" ;;
     *) echo "unknown step $s" ;;
   esac

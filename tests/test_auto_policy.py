@@ -10,7 +10,16 @@ from pagedprefill.backends import auto_policy
 
 
 def _batch(
-    page_size=16, max_q=4096, max_kv=4096, dtype=torch.bfloat16, kv_dtype=None, paged=True, graph=0, d=128
+    page_size=16,
+    max_q=4096,
+    max_kv=4096,
+    dtype=torch.bfloat16,
+    kv_dtype=None,
+    paged=True,
+    graph=0,
+    d=128,
+    dvo=None,
+    causal=True,
 ):
     return SimpleNamespace(
         graph_mode=graph,
@@ -18,7 +27,9 @@ def _batch(
         page_size=page_size if paged else 0,
         max_q=max_q,
         max_kv=max_kv,
+        causal=causal,
         head_dim_qk=d,
+        head_dim_vo=d if dvo is None else dvo,
         q=torch.empty(0, dtype=dtype),
         k=torch.empty(0, dtype=kv_dtype or dtype),
     )
@@ -44,6 +55,19 @@ def test_head_dim_64_prefers_triton_where_the_gluon_kernel_serves(gluon):
     assert auto_policy.order(_batch(max_q=1024, max_kv=1024, d=64))[0] == "triton"
     gluon["value"] = False
     assert auto_policy.order(_batch(max_q=1024, max_kv=1024, d=64))[0] == "cudnn"
+
+
+def test_long_non_causal_prefills_prefer_triton_where_the_gluon_kernel_serves(gluon):
+    assert auto_policy.order(_batch(max_q=2048, max_kv=2048, causal=False))[0] == "triton"
+    assert auto_policy.order(_batch(max_q=2047, max_kv=2048, causal=False))[0] == "cudnn"
+    assert auto_policy.order(_batch(max_q=2048, max_kv=2048, causal=True))[0] == "cudnn"
+    gluon["value"] = False
+    assert auto_policy.order(_batch(max_q=2048, max_kv=2048, causal=False))[0] == "cudnn"
+
+
+def test_mla_head_dims_prefer_cudnn_even_where_the_gluon_kernel_serves(gluon):
+    assert auto_policy.order(_batch(d=192, dvo=128))[0] == "cudnn"  # 0.90-0.95x at max_q 4096
+    assert auto_policy.order(_batch(d=192, dvo=128, page_size=1))[0] == "triton"  # small pages still
 
 
 def test_small_pages_and_fp8_prefer_triton(gluon):

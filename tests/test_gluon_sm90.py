@@ -41,6 +41,7 @@ def test_config_env_knobs(monkeypatch):
         ("load_warps=3", "load_warps must be"),
         ("consumer_regs=150", "multiples of 8"),
         ("consumer_regs=160,load_regs=96", "registers over budget"),
+        ("chunk=-1", "chunk must be >= 0"),
     ):
         monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", bad)
         with pytest.raises(ValueError, match=msg):
