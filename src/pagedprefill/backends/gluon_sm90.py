@@ -205,8 +205,8 @@ if gluon is not None:
         HAS_LSE: gl.constexpr,
     ):
         """Work item -> its sequence, KV head, row block and key range. Items run heaviest row block
-        first within a chunk of (sequence, KV head) pairs (``Config.chunk``; one chunk of all pairs by
-        default); ``item >= total`` (a last round's missing items) decodes as the last item with
+        first within a chunk of (sequence, KV head) pairs (``Config.chunk``: 4 by default, 0 for one
+        chunk of all pairs); ``item >= total`` (a last round's missing items) decodes as the last item with
         ``q_len = 0``: no tiles, no stores."""
         META, BT, meta_stride, bt_stride, num_kv_heads, n_bh, num_m_blocks, chunk = sched
         total = n_bh * num_m_blocks
@@ -897,7 +897,7 @@ def unavailable_reason(batch: PrefillBatch) -> str | None:
     if not batch.scale > 0 or any(x is not None for x in (batch.q_scale, batch.k_scale, batch.v_scale)):
         return "scale tensors or a non-positive scale"
     # cp.async copies 16-byte chunks, and Triton proves an integer's alignment only as "divisible by
-    # 16": every K/V stride must be a multiple of 16 elements
+    # 16": every q, K and V stride must be a multiple of 16 elements
     for name, t in (("q", batch.q), ("k", batch.k), ("v", batch.v)):
         if t.data_ptr() % 16 or t.stride(-1) != 1 or any(st % 16 for st in t.stride()[:-1]):
             return (
