@@ -401,6 +401,31 @@ if gluon is not None:
         return tok
 
     @gluon.jit
+    def _q_cols_async(
+        buf,
+        w,
+        qargs,
+        R0: gl.constexpr,
+        GROUP: gl.constexpr,
+        SUB_M: gl.constexpr,
+        C0: gl.constexpr,
+        NCOL: gl.constexpr,
+    ):
+        """cp.async copies of columns [C0, C0 + NCOL) of work item w's Q rows [row0 + R0, row0 + R0 +
+        SUB_M) into buf; rows past the sequence zero-filled."""
+        Q, stride_qt, stride_qh = qargs
+        kv_head, row0, q_len, q_start = w[0], w[1], w[2], w[4]
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (NCOL // 8), NCOL // 8], [4, 1], [1, 0])
+        rows = row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, LD))
+        tok = rows // GROUP
+        head = kv_head * GROUP + rows % GROUP
+        off = (q_start + tok).to(gl.int64) * stride_qt + head.to(gl.int64) * stride_qh
+        d = C0 + gl.arange(0, NCOL, gl.SliceLayout(0, LD))
+        async_copy.async_copy_global_to_shared(
+            buf, Q + off[:, None] + d[None, :], mask=(tok < q_len)[:, None]
+        )
+
+    @gluon.jit
     def _load_q_async(
         q_sub,
         q1_sub,
@@ -412,31 +437,11 @@ if gluon is not None:
         DQ0: gl.constexpr,
         DQ1: gl.constexpr,
     ):
-        """cp.async copies of work item w's Q rows [row0 + R0, row0 + R0 + SUB_M) into q_sub (key
-        columns past DQ0 into q1_sub), rows past the sequence zero-filled; one commit group."""
-        Q, stride_qt, stride_qh = qargs
-        kv_head, row0, q_len, _, q_start = w[0], w[1], w[2], w[3], w[4]
-        LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DQ0 // 8), DQ0 // 8], [4, 1], [1, 0])
-        rows = row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, LD))
-        tok = rows // GROUP
-        off = (q_start + tok).to(gl.int64) * stride_qt + (kv_head * GROUP + rows % GROUP).to(
-            gl.int64
-        ) * stride_qh
-        d = gl.arange(0, DQ0, gl.SliceLayout(0, LD))
-        async_copy.async_copy_global_to_shared(
-            q_sub, Q + off[:, None] + d[None, :], mask=(tok < q_len)[:, None]
-        )
+        """Work item w's Q rows for this warpgroup: key columns [0, DQ0) into q_sub, [DQ0, DQ0 + DQ1)
+        into q1_sub (Dqk 192); one commit group."""
+        _q_cols_async(q_sub, w, qargs, R0, GROUP, SUB_M, 0, DQ0)
         if DQ1 > 0:
-            LD1: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DQ1 // 8), DQ1 // 8], [4, 1], [1, 0])
-            rows1 = row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, LD1))
-            tok1 = rows1 // GROUP
-            off1 = (q_start + tok1).to(gl.int64) * stride_qt + (kv_head * GROUP + rows1 % GROUP).to(
-                gl.int64
-            ) * stride_qh
-            d1 = DQ0 + gl.arange(0, DQ1, gl.SliceLayout(0, LD1))
-            async_copy.async_copy_global_to_shared(
-                q1_sub, Q + off1[:, None] + d1[None, :], mask=(tok1 < q_len)[:, None]
-            )
+            _q_cols_async(q1_sub, w, qargs, R0, GROUP, SUB_M, DQ0, DQ1)
         async_copy.commit_group()
 
     @gluon.jit
