@@ -67,6 +67,7 @@ def test_long_non_causal_prefills_prefer_triton_where_the_gluon_kernel_serves(gl
 
 def test_mla_head_dims_prefer_cudnn_even_where_the_gluon_kernel_serves(gluon):
     assert auto_policy.order(_batch(d=192, dvo=128))[0] == "cudnn"  # 0.90-0.95x at max_q 4096
+    assert auto_policy.order(_batch(d=192, dvo=128, max_q=2048, causal=False))[0] == "cudnn"
     assert auto_policy.order(_batch(d=192, dvo=128, page_size=1))[0] == "triton"  # small pages still
 
 

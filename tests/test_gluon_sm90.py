@@ -339,6 +339,32 @@ def test_gpu_random_grid_forced(seed, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_chunked_dealing_short_last_chunk(causal, monkeypatch):
+    """Many row blocks per (sequence, KV head) pair, 6 pairs dealt in chunks of 4 (the last one
+    short) on a 3-program grid: every item is computed once, whatever order it comes in."""
+    monkeypatch.setattr(gs, "_num_sms", lambda device: 3)
+    monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", "chunk=4")
+    case = make_case(
+        41,
+        lens_q=[700, 300, 520],
+        lens_kv=[900, 300, 1000],
+        hq=12,
+        hkv=2,
+        dqk=128,
+        page_size=16,
+        dtype=torch.bfloat16,
+        causal=causal,
+        return_lse=True,
+        device="cuda",
+    )
+    batch = direct_batch(case)
+    assert gs.unavailable_reason(batch) is None and gs.num_m_blocks(batch, gs.config()) > 4
+    out, lse = call(case, gluon=1, num_splits=1)
+    check(case, out, lse, atol=atol_for(torch.bfloat16), lse_atol=2e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("seed", range(700, 724))
 def test_gpu_random_grid_tma(seed, monkeypatch):
     """TMA copies for whole tiles: pages of 16/32/64 tokens and ragged K/V, every layout; even seeds
@@ -365,7 +391,7 @@ def test_gpu_random_grid_mla(seed, monkeypatch):
     params = gluon_params(seed)
     params.update(dqk=192, dvo=128, page_size=random.Random(seed).choice([0, 1, 16, 64]))
     if params["kv_layout"] == "interleaved":  # (one K/V buffer needs Dqk = Dvo)
-        params["kv_layout"] = random.Random(seed).choice(["nhd", "hnd"])
+        params["kv_layout"] = random.Random(seed + 1).choice(["nhd", "hnd"])  # (apart from page_size)
     case = make_case(seed, **params)
     assert gs.unavailable_reason(direct_batch(case)) is None
     out, lse = call(case, gluon=1, num_splits=1)

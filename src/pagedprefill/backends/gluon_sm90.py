@@ -6,8 +6,9 @@ its automatic warp specialisation does not engage on it (``docs/triton_kernel.md
 
 A work item is ``BLOCK_M = 64 * consumers`` query rows of one sequence and one KV head; a row is a
 (token, head-in-group) pair, GQA packing exactly as in ``triton_backend``. A persistent grid (one
-program per SM; ``Config.persistent``) deals the items in rounds, heaviest row blocks first, in
-snake order (``_round_item``). Each program's warps are split (``gl.warp_specialize``):
+program per SM; ``Config.persistent``) deals the items in rounds, in snake order
+(``_round_item``), chunk by chunk of ``Config.chunk`` (sequence, KV head) pairs, heaviest row block
+first within a chunk. Each program's warps are split (``gl.warp_specialize``):
 
 * **load warps** (``load_warps``, few registers): for the program's key tile ``c`` (counted across
   its items) they wait until every consumer released stage ``c % stages`` (``kv_empty``), then fetch
@@ -189,7 +190,8 @@ if gluon is not None:
     @gluon.jit
     def _round_item(r):
         """Program p's item in round r: p in even rounds, the mirror in odd ones. Items shrink as
-        they go (heaviest first), so the snake order evens out the programs' sums."""
+        they go within a chunk of pairs (heaviest first), so the snake order evens out the programs'
+        sums."""
         pid = gl.program_id(0)
         return r * gl.num_programs(0) + pid + (r % 2) * (gl.num_programs(0) - 1 - 2 * pid)
 
@@ -917,7 +919,8 @@ def unavailable_reason(batch: PrefillBatch) -> str | None:
 
 @dataclass(frozen=True)
 class Config:
-    """Launch knobs of the warp-specialised kernel (all compile-time constants).
+    """Launch knobs of the warp-specialised kernel (compile-time constants, except ``persistent``,
+    which sets the grid, and ``chunk``, a runtime argument).
 
     ``BLOCK_M = 64 * consumers`` query rows per program; the register split is per thread and must
     satisfy ``128 * (consumers * consumer_regs + load_regs * load_warps / 4) <= 65536``.
@@ -1087,11 +1090,11 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
     else:
         tma_ints = (0, 0, 0, 0)
     total = hkv * bsz * n_m
-    if total >= 2**31 - 2**20:  # (rounds run to total + grid in int32)
-        raise ValueError(f"too many work items for one launch ({total}); split the batch")
     grid = total
     if cfg.persistent and batch.device.type == "cuda":  # (CPU: compile-only tests)
         grid = min(total, _num_sms(batch.device) * cfg.persistent)
+    if total + grid >= 2**31:  # (rounds run to total + grid in int32)
+        raise ValueError(f"too many work items for one launch ({total}); split the batch")
     args = (
         q,
         k,
