@@ -27,10 +27,10 @@ for s in $steps; do
     gluon) timeout 400 python3 -m pytest -q -x -m gpu tests/test_gluon_sm90.py 2>&1 | tee "$OUT/gluon-tests.log" | tail -5
            W=llama8b_b1_q16k,llama8b_b4_q4k,llama8b_b16_q1k,chunked_b8_q512_p7680,varlen_b32,llama70b_b8_q2k
            W=$W,noncausal_b8_q2k,page1_b16_q1k,page64_b16_q1k,page1_b16_q1k:page_size=8,mla192_b4_q4k
-           # the Triton kernel (gluon=0), the Gluon kernel's defaults and two of its knobs, beside cuDNN
-           timeout 200 python3 scripts/tune_triton.py --graph --workloads $W \
-             --configs "gluon=0;gluon=1;gluon=1,g.chunk=0;gluon=1,g.persistent=0" 2>&1 \
-             | grep -A60 SUMMARY | tee "$OUT/gluon-probe.log" ;;
+           # the Triton kernel (gluon=0), the Gluon kernel's defaults and some of its knobs, beside cuDNN
+           timeout 240 python3 scripts/tune_triton.py --graph --workloads $W \
+             --configs "gluon=0;gluon=1;gluon=1,g.chunk=0;gluon=1,g.own_rows=1;gluon=1,g.consumers=2,g.consumer_regs=216" \
+             2>&1 | grep -A70 SUMMARY | tee "$OUT/gluon-probe.log" ;;
     profile) timeout 120 python3 scripts/host_profile.py llama8b_b16_q1k cudnn triton 2>&1 | tee "$OUT/profile.log" | grep -A6 "host us" ;;
     *) echo "unknown step $s" ;;
   esac

@@ -42,6 +42,7 @@ def test_config_env_knobs(monkeypatch):
         ("consumer_regs=150", "multiples of 8"),
         ("consumer_regs=160,load_regs=96", "registers over budget"),
         ("chunk=-1", "chunk must be >= 0"),
+        ("own_rows=2", "own_rows must be 0 or 1"),
     ):
         monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", bad)
         with pytest.raises(ValueError, match=msg):
@@ -181,8 +182,8 @@ _AOT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("tma", [0, 1])
-def test_compiles_for_sm90(tmp_path, tma):
+@pytest.mark.parametrize("tma, knobs", [(0, ""), (1, ""), (1, ",own_rows=1")])
+def test_compiles_for_sm90(tmp_path, tma, knobs):
     specs = [
         (128, 16, True, "bfloat16"),
         (128, 0, False, "float16"),
@@ -191,7 +192,7 @@ def test_compiles_for_sm90(tmp_path, tma):
     ]
     script = _AOT.format(tests=str(ROOT / "tests"), specs=specs)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PAGEDPREFILL_GLUON_CONFIG"] = f"tma={tma}"
+    env["PAGEDPREFILL_GLUON_CONFIG"] = f"tma={tma}{knobs}"
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
@@ -334,6 +335,21 @@ def test_gpu_random_grid_forced(seed, monkeypatch):
     case = make_case(seed, **params)
     batch = direct_batch(case)
     assert gs.unavailable_reason(batch) is None
+    out, lse = call(case, gluon=1, num_splits=1)
+    check(case, out, lse, atol=atol_for(params["dtype"]), lse_atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(800, 816))
+def test_gpu_random_grid_own_rows(seed, monkeypatch):
+    """Knob own_rows=1 (each consumer walks and masks causal tiles by its own rows' diagonal and
+    releases the rest unread): the forced grid's cases made causal, on 1-3-program grids."""
+    monkeypatch.setattr(gs, "_num_sms", lambda device, n=1 + seed % 3: n)
+    monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", "own_rows=1")
+    params = gluon_params(seed)
+    params.update(causal=True)
+    case = make_case(seed, **params)
+    assert gs.unavailable_reason(direct_batch(case)) is None
     out, lse = call(case, gluon=1, num_splits=1)
     check(case, out, lse, atol=atol_for(params["dtype"]), lse_atol=2e-2)
 
