@@ -182,7 +182,7 @@ _AOT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("tma, knobs", [(0, ""), (1, ""), (1, ",own_rows=1")])
+@pytest.mark.parametrize("tma, knobs", [(0, ""), (1, ""), (0, ",own_rows=1"), (1, ",own_rows=1")])
 def test_compiles_for_sm90(tmp_path, tma, knobs):
     specs = [
         (128, 16, True, "bfloat16"),
@@ -352,6 +352,43 @@ def test_gpu_random_grid_own_rows(seed, monkeypatch):
     assert gs.unavailable_reason(direct_batch(case)) is None
     out, lse = call(case, gluon=1, num_splits=1)
     check(case, out, lse, atol=atol_for(params["dtype"]), lse_atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "group, dqk, knobs",
+    [
+        (3, 128, ""),
+        (4, 128, ",consumers=2,consumer_regs=216"),
+        (6, 128, ",stages=2"),
+        (4, 128, ",BLOCK_N=32"),
+        (4, 128, ",BLOCK_N=128,stages=2"),
+        (4, 192, ""),
+    ],
+)
+def test_gpu_own_rows_tile_boundaries(group, dqk, knobs, monkeypatch):
+    """own_rows=1 where consumers' own ranges end one key either side of tile boundaries (lengths
+    picked so that an off-by-one in a consumer's tile count or unmasked range changes the output),
+    with 2 or 3 consumers, 2-stage rings, 32/64/128-key tiles and Dqk 192."""
+    monkeypatch.setattr(gs, "_num_sms", lambda device: 2)
+    monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", "own_rows=1" + knobs)
+    case = make_case(
+        51,
+        lens_q=[40, 41, 150, 90],
+        lens_kv=[65, 84, 100, 2000],
+        hq=2 * group,
+        hkv=2,
+        dqk=dqk,
+        dvo=128,
+        page_size=16,
+        dtype=torch.float16,
+        causal=True,
+        return_lse=True,
+        device="cuda",
+    )
+    assert gs.unavailable_reason(direct_batch(case)) is None
+    out, lse = call(case, gluon=1, num_splits=1)
+    check(case, out, lse, atol=atol_for(torch.float16), lse_atol=2e-2)
 
 
 @pytest.mark.gpu

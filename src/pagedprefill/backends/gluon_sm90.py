@@ -22,7 +22,8 @@ first within a chunk. Each program's warps are split (``gl.warp_specialize``):
   ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` as asynchronous wgmmas, wait for ``S_j`` only, run
   the online softmax of tile ``j`` while the PV GEMM still runs, wait for it, release stage ``j - 1``
   and rescale ``O``. Consumers are not synchronised with each other, so one's softmax also overlaps
-  another's GEMMs.
+  another's GEMMs. Every consumer walks every tile of its item (``Config.own_rows``: on causal items
+  each walks only up to its own rows' diagonal and releases the rest unread; off until measured).
 
 Lengths, offsets and page ids are read on the device (CUDA-graph safe, no host sync), every integer
 that varies per call is ``do_not_specialize``, masks are evaluated only on tiles that cross the
