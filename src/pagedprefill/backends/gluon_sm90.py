@@ -197,6 +197,32 @@ if gluon is not None:
         return r * gl.num_programs(0) + pid + (r % 2) * (gl.num_programs(0) - 1 - 2 * pid)
 
     @gluon.jit
+    def _key_range(
+        r_lo,
+        q_len,
+        kv_len,
+        ROWS: gl.constexpr,
+        GROUP: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        CAUSAL: gl.constexpr,
+    ):
+        """Keys of rows [r_lo, r_lo + ROWS): (hi: keys [0, hi) visible to some row, n_tiles: key
+        tiles covering them, 0 for rows all past the sequence, full: keys visible to every row, in
+        whole tiles)."""
+        if CAUSAL:
+            tok_hi = gl.minimum((r_lo + ROWS - 1) // GROUP, q_len - 1)
+            hi = gl.minimum(kv_len, tok_hi + (kv_len - q_len) + 1)
+            full = gl.minimum(kv_len, r_lo // GROUP + (kv_len - q_len) + 1)
+            full = (gl.maximum(full, 0) // BLOCK_N) * BLOCK_N
+        else:
+            hi = kv_len
+            full = (kv_len // BLOCK_N) * BLOCK_N
+        hi = gl.maximum(hi, 0)
+        n_tiles = (hi + BLOCK_N - 1) // BLOCK_N
+        n_tiles = gl.where(r_lo < q_len * GROUP, n_tiles, 0)  # rows past the sequence: nothing
+        return hi, n_tiles, full
+
+    @gluon.jit
     def _work_item(
         item,
         sched,
@@ -240,17 +266,7 @@ if gluon is not None:
             BT_row = BT
             k_start = gl.load(META + 4 * meta_stride + b)
             v_start = gl.load(META + 5 * meta_stride + b)
-        if CAUSAL:
-            tok_hi = gl.minimum((row0 + BLOCK_M - 1) // GROUP, q_len - 1)
-            hi = gl.minimum(kv_len, tok_hi + (kv_len - q_len) + 1)
-            full = gl.minimum(kv_len, row0 // GROUP + (kv_len - q_len) + 1)
-            full = (gl.maximum(full, 0) // BLOCK_N) * BLOCK_N
-        else:
-            hi = kv_len
-            full = (kv_len // BLOCK_N) * BLOCK_N
-        hi = gl.maximum(hi, 0)
-        n_tiles = (hi + BLOCK_N - 1) // BLOCK_N
-        n_tiles = gl.where(row0 < q_len * GROUP, n_tiles, 0)  # row blocks past the sequence: nothing
+        hi, n_tiles, full = _key_range(row0, q_len, kv_len, BLOCK_M, GROUP, BLOCK_N, CAUSAL)
         return (
             kv_head,
             row0,
@@ -448,19 +464,6 @@ if gluon is not None:
         async_copy.commit_group()
 
     @gluon.jit
-    def _own_range(
-        r_lo, q_len, kv_len, n_tiles, GROUP: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr
-    ):
-        """A causal item's key tiles for one warpgroup's rows [r_lo, r_lo + SUB_M): (tiles up to its
-        last row's diagonal, at most n_tiles; keys visible to every one of its rows, in whole tiles)."""
-        tok_hi = gl.minimum((r_lo + SUB_M - 1) // GROUP, q_len - 1)
-        hi = gl.maximum(gl.minimum(kv_len, tok_hi + (kv_len - q_len) + 1), 0)
-        n = gl.minimum((hi + BLOCK_N - 1) // BLOCK_N, n_tiles)
-        n = gl.where(r_lo < q_len * GROUP, n, 0)
-        full = gl.minimum(kv_len, r_lo // GROUP + (kv_len - q_len) + 1)
-        return n, (gl.maximum(full, 0) // BLOCK_N) * BLOCK_N
-
-    @gluon.jit
     def _consumer_partition(
         args,
         sched,
@@ -535,7 +538,8 @@ if gluon is not None:
             n_walk = n_tiles  # key tiles this warpgroup computes; below full_own none is masked
             full_own = full
             if CAUSAL and OWN_ROWS:
-                n_walk, full_own = _own_range(row0 + R0, q_len, kv_len, n_tiles, GROUP, SUB_M, BLOCK_N)
+                # (this warpgroup's rows lie inside the block's: its range is within the block's)
+                _, n_walk, full_own = _key_range(row0 + R0, q_len, kv_len, SUB_M, GROUP, BLOCK_N, CAUSAL)
             if n_walk > 0:  # tile 0: nothing to overlap its softmax with yet
                 s0 = c % STAGES
                 mbarrier.wait(kv_full.index(s0), (c // STAGES) & 1)
