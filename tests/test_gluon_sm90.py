@@ -8,6 +8,7 @@ with new lengths, and the default routing.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import subprocess
@@ -67,6 +68,29 @@ def test_head_dims_served(dims, served):
     case = make_case(1, lens_q=[5], lens_kv=[9], hq=4, hkv=2, dqk=dims[0], dvo=dims[1], dtype=torch.float16)
     why = gs.unavailable_reason(direct_batch(case))
     assert why == "not a CUDA device" if served else "head dims" in why
+
+
+def test_config_picks_wide_tiles_by_shape(monkeypatch):
+    """128 x 128 tiles on two consumers (``WIDE``) exactly where they measured faster: D = 128 with
+    TMA-eligible K/V, and non-causal, pages of >= 64 tokens or max_kv >= 4 * max_q; an explicit
+    PAGEDPREFILL_GLUON_CONFIG replaces the choice."""
+    monkeypatch.delenv("PAGEDPREFILL_GLUON_CONFIG", raising=False)
+    wide = dataclasses.replace(gs.DEFAULT, **gs.WIDE)
+
+    def cfg(**kw):
+        base = dict(lens_q=[5, 7], lens_kv=[9, 20], hq=8, hkv=2, dqk=128, page_size=16, dtype=torch.float16)
+        return gs.config(direct_batch(make_case(1, **{**base, **kw})))
+
+    assert cfg() == gs.DEFAULT  # causal, pages of 16, max_kv = 20 < 4 * 7
+    assert cfg(causal=False) == wide
+    assert cfg(page_size=64) == wide
+    assert cfg(page_size=0, causal=False) == wide
+    assert cfg(max_q=7, max_kv=28) == wide and cfg(max_q=8, max_kv=31) == gs.DEFAULT
+    assert cfg(causal=False, dqk=64) == gs.DEFAULT and cfg(causal=False, page_size=8) == gs.DEFAULT
+    assert cfg(causal=False, dqk=192, dvo=128) == gs.DEFAULT
+    assert gs.config() == gs.DEFAULT
+    monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", "chunk=2")
+    assert cfg(causal=False) == dataclasses.replace(gs.DEFAULT, chunk=2)
 
 
 def test_stages_fit_shared_memory():
@@ -182,7 +206,10 @@ _AOT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("tma, knobs", [(0, ""), (1, ""), (0, ",own_rows=1"), (1, ",own_rows=1")])
+WIDE = "," + ",".join(f"{k}={v}" for k, v in gs.WIDE.items())  # 128 x 128 tiles, 2 consumers
+
+
+@pytest.mark.parametrize("tma, knobs", [(0, ""), (1, ""), (0, ",own_rows=1"), (1, ",own_rows=1"), (1, WIDE)])
 def test_compiles_for_sm90(tmp_path, tma, knobs):
     specs = [
         (128, 16, True, "bfloat16"),
@@ -198,7 +225,8 @@ def test_compiles_for_sm90(tmp_path, tma, knobs):
     assert res.returncode == 0, res.stderr[-4000:]
     results = [line.split() for line in res.stdout.splitlines() if line.startswith("RESULT")]
     assert len(results) == len(specs), res.stdout
-    cfg = gs.DEFAULT
+    knob_values = dict(kv.split("=") for kv in knobs.split(",") if kv)
+    cfg = dataclasses.replace(gs.DEFAULT, **{k: int(v) for k, v in knob_values.items()})
     for _, d, page, shared, spill, overlap, regs, bulk in results:
         assert (int(bulk) > 0) == bool(tma), (d, page, bulk)  # TMA copies exactly when asked for
         assert int(shared) <= 227 * 1024, (d, page, shared)
@@ -389,6 +417,20 @@ def test_gpu_own_rows_tile_boundaries(group, dqk, knobs, monkeypatch):
     assert gs.unavailable_reason(direct_batch(case)) is None
     out, lse = call(case, gluon=1, num_splits=1)
     check(case, out, lse, atol=atol_for(torch.float16), lse_atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(900, 918))
+def test_gpu_random_grid_wide_tiles(seed, monkeypatch):
+    """128 x 128 tiles on 2 consumers (``gs.WIDE``, 3-stage ring): the forced grid's cases on
+    1-3-program grids, so that the ring's phases carry across many work items, some of them empty."""
+    monkeypatch.setattr(gs, "_num_sms", lambda device, n=1 + seed % 3: n)
+    monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", WIDE[1:])
+    params = gluon_params(seed)
+    case = make_case(seed, **params)
+    assert gs.unavailable_reason(direct_batch(case)) is None
+    out, lse = call(case, gluon=1, num_splits=1)
+    check(case, out, lse, atol=atol_for(params["dtype"]), lse_atol=2e-2)
 
 
 @pytest.mark.gpu

@@ -984,11 +984,29 @@ _ENV_KEYS = {f.name for f in fields(Config)}
 DIAGNOSTIC_SKIP = 0
 
 
-def config() -> Config:
-    """``DEFAULT`` with ``PAGEDPREFILL_GLUON_CONFIG="stages=4,consumers=2,..."`` applied."""
+# 128 x 128 tiles on two consumers: 128 query rows per K/V tile instead of 192 (more L2 traffic per
+# FLOP), half as many tile steps per key; faster where `prefers_wide` says (docs/triton_kernel.md)
+WIDE = {"consumers": 2, "BLOCK_N": 128, "consumer_regs": 224, "load_regs": 56}
+
+
+def prefers_wide(batch: PrefillBatch) -> bool:
+    """Whether ``WIDE`` beat ``DEFAULT`` on the H200 for calls like this one, from host ints only:
+    D = 128, TMA-eligible K/V, and non-causal, pages of >= 64 tokens or a prefix of >= 3 query lengths
+    (``max_kv >= 4 * max_q``, chunked prefill); causal calls with ``max_q`` near ``max_kv`` and pages
+    of 16 tokens lost 1-7%. A call picks one of two compiled variants per (dtype, GQA, page size,
+    causal), never one per length."""
+    if (batch.head_dim_qk, batch.head_dim_vo) != (128, 128) or (batch.paged and batch.page_size < 16):
+        return False
+    return not batch.causal or (batch.paged and batch.page_size >= 64) or batch.max_kv >= 4 * batch.max_q
+
+
+def config(batch: PrefillBatch | None = None) -> Config:
+    """``DEFAULT``, or ``DEFAULT`` with ``WIDE`` where :func:`prefers_wide` says so for ``batch``;
+    ``PAGEDPREFILL_GLUON_CONFIG="stages=4,consumers=2,..."`` replaces that choice with ``DEFAULT`` and
+    its knobs applied."""
     raw = os.environ.get("PAGEDPREFILL_GLUON_CONFIG", "").strip()
     if not raw:
-        return DEFAULT
+        return replace(DEFAULT, **WIDE) if batch is not None and prefers_wide(batch) else DEFAULT
     over = {}
     for item in raw.split(","):
         key, _, val = item.partition("=")
@@ -1105,7 +1123,7 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
     """The launches of one call: a list of ``(kernel, grid, args, kwargs)``. Reads no device data."""
     from pagedprefill.backends import triton_backend as tb  # (it imports this module)
 
-    cfg = config() if cfg is None else cfg
+    cfg = config(batch) if cfg is None else cfg
     if DIAGNOSTIC_SKIP:
         warnings.warn(
             f"gluon_sm90.DIAGNOSTIC_SKIP={DIAGNOSTIC_SKIP}: the Gluon kernel skips work, results are wrong",
