@@ -65,6 +65,16 @@ def test_long_non_causal_prefills_prefer_triton_where_the_gluon_kernel_serves(gl
     assert auto_policy.order(_batch(max_q=2048, max_kv=2048, causal=False))[0] == "cudnn"
 
 
+def test_chunked_prefills_prefer_triton_where_the_gluon_kernel_runs_wide_tiles(gluon):
+    assert auto_policy.order(_batch(max_q=512, max_kv=8192))[0] == "triton"  # chunked_b8_q512_p7680
+    assert auto_policy.order(_batch(max_q=512, max_kv=2047))[0] == "cudnn"  # prefix < 3 chunks
+    assert auto_policy.order(_batch(max_q=511, max_kv=8192))[0] == "cudnn"  # shorter chunks: unmeasured
+    assert auto_policy.order(_batch(max_q=512, max_kv=8192, page_size=8))[0] == "triton"  # small pages
+    assert auto_policy.order(_batch(max_q=512, max_kv=8192, d=192, dvo=128))[0] == "cudnn"
+    gluon["value"] = False
+    assert auto_policy.order(_batch(max_q=512, max_kv=8192))[0] == "cudnn"
+
+
 def test_mla_head_dims_prefer_cudnn_even_where_the_gluon_kernel_serves(gluon):
     assert auto_policy.order(_batch(d=192, dvo=128))[0] == "cudnn"  # 0.90-0.95x at max_q 4096
     assert auto_policy.order(_batch(d=192, dvo=128, max_q=2048, causal=False))[0] == "cudnn"
