@@ -44,6 +44,8 @@ def test_config_env_knobs(monkeypatch):
         ("consumer_regs=160,load_regs=96", "registers over budget"),
         ("chunk=-1", "chunk must be >= 0"),
         ("own_rows=2", "own_rows must be 0 or 1"),
+        ("row_chains=3", "row_chains must be 1, 2 or 4"),
+        ("row_chains=4,BLOCK_N=16", "BLOCK_N / row_chains >= 8"),
     ):
         monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", bad)
         with pytest.raises(ValueError, match=msg):
@@ -209,7 +211,9 @@ _AOT = textwrap.dedent(
 WIDE = "," + ",".join(f"{k}={v}" for k, v in gs.WIDE.items())  # 128 x 128 tiles, 2 consumers
 
 
-@pytest.mark.parametrize("tma, knobs", [(0, ""), (1, ""), (0, ",own_rows=1"), (1, ",own_rows=1"), (1, WIDE)])
+@pytest.mark.parametrize(
+    "tma, knobs", [(0, ""), (1, ""), (0, ",own_rows=1"), (1, ",own_rows=1"), (1, WIDE), (1, ",row_chains=4")]
+)
 def test_compiles_for_sm90(tmp_path, tma, knobs):
     specs = [
         (128, 16, True, "bfloat16"),
@@ -426,6 +430,21 @@ def test_gpu_random_grid_wide_tiles(seed, monkeypatch):
     1-3-program grids, so that the ring's phases carry across many work items, some of them empty."""
     monkeypatch.setattr(gs, "_num_sms", lambda device, n=1 + seed % 3: n)
     monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", WIDE[1:])
+    params = gluon_params(seed)
+    case = make_case(seed, **params)
+    assert gs.unavailable_reason(direct_batch(case)) is None
+    out, lse = call(case, gluon=1, num_splits=1)
+    check(case, out, lse, atol=atol_for(params["dtype"]), lse_atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(1000, 1016))
+def test_gpu_random_grid_row_chains(seed, monkeypatch):
+    """Knob row_chains (the softmax's row max and row sum as 2 or 4 independent chains): the forced
+    grid's cases on 1-3-program grids, with 64-key tiles, WIDE tiles and 32-key tiles."""
+    monkeypatch.setattr(gs, "_num_sms", lambda device, n=1 + seed % 3: n)
+    knobs = ("row_chains=4", "row_chains=2", "row_chains=4" + WIDE, "row_chains=4,BLOCK_N=32")[seed % 4]
+    monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", knobs)
     params = gluon_params(seed)
     case = make_case(seed, **params)
     assert gs.unavailable_reason(direct_batch(case)) is None

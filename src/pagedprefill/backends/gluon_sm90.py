@@ -72,7 +72,36 @@ LOG2E = 1.4426950408889634
 if gluon is not None:
 
     @gluon.jit
-    def _softmax(s, m_i, l_i, qk_scale, start_n, diag, kv_len, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+    def _row_reduce(x, IS_MAX: gl.constexpr, CHAINS: gl.constexpr):
+        """Row max (IS_MAX) or row sum of a [rows, cols] wgmma accumulator. Triton reduces a thread's
+        elements one after another (one dependent chain per row); CHAINS > 1 first combines CHAINS
+        column blocks elementwise (register bits of the layout for cols / CHAINS >= 8), so a row's
+        reduction runs as CHAINS independent chains."""
+        if CHAINS > 1:
+            x3 = gl.reshape(x, [x.shape[0], CHAINS, x.shape[1] // CHAINS])
+            if IS_MAX:
+                r = gl.max(gl.max(x3, 1), 1)
+            else:
+                r = gl.sum(gl.sum(x3, 1), 1)
+            return gl.convert_layout(r, gl.SliceLayout(1, x.type.layout))
+        elif IS_MAX:
+            return gl.max(x, 1)
+        else:
+            return gl.sum(x, 1)
+
+    @gluon.jit
+    def _softmax(
+        s,
+        m_i,
+        l_i,
+        qk_scale,
+        start_n,
+        diag,
+        kv_len,
+        MASKED: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        CHAINS: gl.constexpr,
+    ):
         """Online-softmax step on one S tile: returns (p, m, l, alpha), p unnormalised (fp32)."""
         if MASKED:
             # scale first, then mask: a masked -inf must never meet a zero scale
@@ -83,16 +112,16 @@ if gluon is not None:
             else:
                 visible = (cols < kv_len)[None, :]
             s = gl.where(visible, s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 1))
+            m_new = gl.maximum(m_i, _row_reduce(s, True, CHAINS))
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet
             p = gl.exp2(s - m_use[:, None])
         else:
             # every key visible to every row and qk_scale > 0: max(s) * scale = max(s * scale)
-            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+            m_new = gl.maximum(m_i, _row_reduce(s, True, CHAINS) * qk_scale)
             m_use = m_new
             p = gl.exp2(s * qk_scale - m_use[:, None])
         alpha = gl.exp2(m_i - m_use)
-        l_i = l_i * alpha + gl.sum(p, 1)
+        l_i = l_i * alpha + _row_reduce(p, False, CHAINS)
         return p, m_new, l_i, alpha
 
     @gluon.jit
@@ -481,6 +510,7 @@ if gluon is not None:
         PAGE_SIZE: gl.constexpr,
         BLOCK_M: gl.constexpr,
         OWN_ROWS: gl.constexpr,
+        CHAINS: gl.constexpr,
     ):
         """One consumer warpgroup: rows [row0 + R0, row0 + R0 + SUB_M) of each work item's block."""
         (
@@ -547,9 +577,13 @@ if gluon is not None:
                 s_tok = _qk_async(q_sub, q1_sub, k_smem.index(s0), k1_smem.index(s0), s_zero, DQ1)
                 sc = warpgroup_mma_wait(0, deps=[s_tok])
                 if full_own > 0:
-                    p, m_i, l_i, alpha = _softmax(sc, m_i, l_i, qk_scale, 0, diag, kv_len, False, CAUSAL)
+                    p, m_i, l_i, alpha = _softmax(
+                        sc, m_i, l_i, qk_scale, 0, diag, kv_len, False, CAUSAL, CHAINS
+                    )
                 else:
-                    p, m_i, l_i, alpha = _softmax(sc, m_i, l_i, qk_scale, 0, diag, kv_len, True, CAUSAL)
+                    p, m_i, l_i, alpha = _softmax(
+                        sc, m_i, l_i, qk_scale, 0, diag, kv_len, True, CAUSAL, CHAINS
+                    )
                 p_op = gl.convert_layout(p.to(dtype), P_L)
             for j in range(1, n_walk):
                 s = (c + j) % STAGES
@@ -565,11 +599,11 @@ if gluon is not None:
                     alpha = m_i
                 elif j * BLOCK_N < full_own:
                     p, m_i, l_i, alpha = _softmax(
-                        sc, m_i, l_i, qk_scale, j * BLOCK_N, diag, kv_len, False, CAUSAL
+                        sc, m_i, l_i, qk_scale, j * BLOCK_N, diag, kv_len, False, CAUSAL, CHAINS
                     )
                 else:
                     p, m_i, l_i, alpha = _softmax(
-                        sc, m_i, l_i, qk_scale, j * BLOCK_N, diag, kv_len, True, CAUSAL
+                        sc, m_i, l_i, qk_scale, j * BLOCK_N, diag, kv_len, True, CAUSAL, CHAINS
                     )
                 acc = warpgroup_mma_wait(0, deps=[o_tok])
                 mbarrier.arrive(kv_empty.index(prev))
@@ -665,6 +699,7 @@ if gluon is not None:
         K_HEAD_ROWS: gl.constexpr,
         V_HEAD_ROWS: gl.constexpr,
         OWN_ROWS: gl.constexpr,
+        CHAINS: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each (BLOCK_M = 64 * NC); the
@@ -772,6 +807,7 @@ if gluon is not None:
                             PAGE_SIZE,
                             BLOCK_M,
                             OWN_ROWS,
+                            CHAINS,
                         ),
                     ),
                     (
@@ -793,6 +829,7 @@ if gluon is not None:
                             PAGE_SIZE,
                             BLOCK_M,
                             OWN_ROWS,
+                            CHAINS,
                         ),
                     ),
                     (
@@ -848,6 +885,7 @@ if gluon is not None:
                             PAGE_SIZE,
                             BLOCK_M,
                             OWN_ROWS,
+                            CHAINS,
                         ),
                     ),
                     (
@@ -869,6 +907,7 @@ if gluon is not None:
                             PAGE_SIZE,
                             BLOCK_M,
                             OWN_ROWS,
+                            CHAINS,
                         ),
                     ),
                     (
@@ -890,6 +929,7 @@ if gluon is not None:
                             PAGE_SIZE,
                             BLOCK_M,
                             OWN_ROWS,
+                            CHAINS,
                         ),
                     ),
                     (
@@ -971,6 +1011,9 @@ class Config:
     # causal: each consumer walks and masks key tiles by its own 64 rows' diagonal, not the block's
     # (tiles past its last key are released unread); not yet measured, so off
     own_rows: int = 0
+    # independent partial chains per row in the softmax's row max and row sum (1: Triton's in-order
+    # reduction, 32-64 dependent FMNMX / FADD per row and tile); compiled, not yet measured
+    row_chains: int = 1
 
     @property
     def BLOCK_M(self) -> int:
@@ -1036,6 +1079,8 @@ def config(batch: PrefillBatch | None = None) -> Config:
         why = f"chunk must be >= 0 (0: all pairs in one chunk), got {cfg.chunk}"
     elif cfg.own_rows not in (0, 1):
         why = f"own_rows must be 0 or 1, got {cfg.own_rows}"
+    elif cfg.row_chains not in (1, 2, 4) or cfg.BLOCK_N // cfg.row_chains < 8:
+        why = f"row_chains must be 1, 2 or 4, with BLOCK_N / row_chains >= 8, got {cfg.row_chains}"
     if why:
         raise ValueError(f"PAGEDPREFILL_GLUON_CONFIG: {why}")
     return cfg
@@ -1199,6 +1244,7 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
         K_HEAD_ROWS=bool(tma_plan and k_tma[3]),
         V_HEAD_ROWS=bool(tma_plan and v_tma[3]),
         OWN_ROWS=bool(cfg.own_rows),
+        CHAINS=cfg.row_chains,
         num_warps=4,
     )
     return [(_attention_kernel, (grid,), args, kwargs)]
