@@ -354,6 +354,15 @@ def gluon_params(seed: int) -> dict:
     return params
 
 
+def check_forced(seed: int, params: dict) -> None:
+    """A random case of ``params`` run on the Gluon kernel (knob gluon=1, no split-KV), against the
+    fp64 oracle."""
+    case = make_case(seed, **params)
+    assert gs.unavailable_reason(direct_batch(case)) is None
+    out, lse = call(case, gluon=1, num_splits=1)
+    check(case, out, lse, atol=atol_for(params["dtype"]), lse_atol=2e-2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", range(500, 540))
 def test_gpu_random_grid_forced(seed, monkeypatch):
@@ -380,10 +389,7 @@ def test_gpu_random_grid_own_rows(seed, monkeypatch):
     monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", "own_rows=1")
     params = gluon_params(seed)
     params.update(causal=True)
-    case = make_case(seed, **params)
-    assert gs.unavailable_reason(direct_batch(case)) is None
-    out, lse = call(case, gluon=1, num_splits=1)
-    check(case, out, lse, atol=atol_for(params["dtype"]), lse_atol=2e-2)
+    check_forced(seed, params)
 
 
 @pytest.mark.gpu
@@ -431,10 +437,7 @@ def test_gpu_random_grid_wide_tiles(seed, monkeypatch):
     monkeypatch.setattr(gs, "_num_sms", lambda device, n=1 + seed % 3: n)
     monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", WIDE[1:])
     params = gluon_params(seed)
-    case = make_case(seed, **params)
-    assert gs.unavailable_reason(direct_batch(case)) is None
-    out, lse = call(case, gluon=1, num_splits=1)
-    check(case, out, lse, atol=atol_for(params["dtype"]), lse_atol=2e-2)
+    check_forced(seed, params)
 
 
 @pytest.mark.gpu
@@ -446,10 +449,7 @@ def test_gpu_random_grid_row_chains(seed, monkeypatch):
     knobs = ("row_chains=4", "row_chains=2", "row_chains=4" + WIDE, "row_chains=4,BLOCK_N=32")[seed % 4]
     monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", knobs)
     params = gluon_params(seed)
-    case = make_case(seed, **params)
-    assert gs.unavailable_reason(direct_batch(case)) is None
-    out, lse = call(case, gluon=1, num_splits=1)
-    check(case, out, lse, atol=atol_for(params["dtype"]), lse_atol=2e-2)
+    check_forced(seed, params)
 
 
 @pytest.mark.gpu
@@ -506,10 +506,7 @@ def test_gpu_random_grid_mla(seed, monkeypatch):
     params.update(dqk=192, dvo=128, page_size=random.Random(seed).choice([0, 1, 16, 64]))
     if params["kv_layout"] == "interleaved":  # (one K/V buffer needs Dqk = Dvo)
         params["kv_layout"] = random.Random(seed + 1).choice(["nhd", "hnd"])  # (apart from page_size)
-    case = make_case(seed, **params)
-    assert gs.unavailable_reason(direct_batch(case)) is None
-    out, lse = call(case, gluon=1, num_splits=1)
-    check(case, out, lse, atol=atol_for(params["dtype"]), lse_atol=2e-2)
+    check_forced(seed, params)
 
 
 @pytest.mark.gpu
