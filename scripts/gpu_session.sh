@@ -26,15 +26,15 @@ for s in $steps; do
     timeline) timeout 150 python3 scripts/overhead_timeline.py 2>&1 | grep -v -i warn | tee "$OUT/timeline.log" ;;
     gluon) timeout 420 python3 -m pytest -q -x -m gpu tests/test_gluon_sm90.py 2>&1 | tee "$OUT/gluon-tests.log" | tail -5 ;;
     pending)  # GPU tests written after the last device run (docs/triton_kernel.md, "not yet run")
-           timeout 200 python3 -m pytest -q -x -m gpu tests/test_gluon_sm90.py -k "row_chains" 2>&1 \
+           timeout 240 python3 -m pytest -q -x -m gpu tests/test_gluon_sm90.py -k "dynamic or large_scores or cuda_graph_replay_forced" 2>&1 \
              | tee "$OUT/pending-tests.log" | tail -5 ;;
     probe) WIDE=g.consumers=2,g.BLOCK_N=128,g.consumer_regs=224,g.load_regs=56  # 128 x 128 tiles
            W=llama8b_b1_q16k,llama8b_b4_q4k,llama8b_b16_q1k,chunked_b8_q512_p7680,varlen_b32,llama70b_b8_q2k
-           W=$W,noncausal_b8_q2k,page1_b16_q1k,page64_b16_q1k,page1_b16_q1k:page_size=8,mla192_b4_q4k
+           W=$W,noncausal_b8_q2k,page1_b16_q1k,page64_b16_q1k,mla192_b4_q4k
            W=$W,llama8b_b4_q4k:head_dim_qk=64:head_dim_vo=64
            # the Gluon kernel's defaults (shape rule) and fixed knobs (env: no shape rule), beside cuDNN
            timeout 330 python3 scripts/tune_triton.py --graph --workloads $W \
-             --configs "gluon=1;gluon=1,g.row_chains=4;gluon=1,g.row_chains=2;gluon=1,$WIDE,g.row_chains=4" \
+             --configs "gluon=1;gluon=1,g.dynamic=1;gluon=1,$WIDE;gluon=1,$WIDE,g.dynamic=1" \
              2>&1 | grep -A70 SUMMARY | tee "$OUT/gluon-probe.log" ;;
     profile) timeout 120 python3 scripts/host_profile.py llama8b_b16_q1k cudnn triton 2>&1 | tee "$OUT/profile.log" | grep -A6 "host us" ;;
     *) echo "unknown step $s" ;;

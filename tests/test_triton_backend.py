@@ -939,8 +939,10 @@ def test_device_metadata_kernel_matches_the_torch_ops(seed):
     want = torch.full_like(batch.meta, -5)
     api._device_metadata(batch, want)
     batch.meta.fill_(-5)
+    batch.work_counter.fill_(-5)
     assert tb.device_metadata(batch)
     assert torch.equal(batch.meta, want), (batch.meta, want)
+    assert batch.work_counter.tolist() == [0]
 
 
 # --------------------------------------------------------------------------------------------

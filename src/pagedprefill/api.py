@@ -83,6 +83,8 @@ class PrefillBatch:
                them, except block-table *contents*, which kernels clamp to [0, num_pages))
                q_start, o_start, k_start, v_start: first row of sequence b in q / out / k / v
                (token units; k/v only for ragged), lse_start: element offset into ``lse``
+      work_counter (1,) int32 view of the workspace right after ``meta``, zeroed with it at every
+               call: a kernel that hands out work items dynamically counts them here
       block_tables (B, max_pages_per_seq) int32 or None (ragged)
       q_scale, k_scale, v_scale  one-element float32 tensors or None (None means 1.0)
       scratch  1-D uint8 view of the workspace after the metadata, for backend use
@@ -118,6 +120,7 @@ class PrefillBatch:
     graph_mode: bool = False
     host: HostMetadata | None = None
     extras: dict = field(default_factory=dict)
+    work_counter: Tensor | None = None
 
     @property
     def paged(self) -> bool:
@@ -138,7 +141,7 @@ class PrefillBatch:
 
 def meta_bytes(batch_size: int) -> int:
     """Workspace bytes taken by the normalised metadata of a batch of ``batch_size``."""
-    raw = len(META_FIELDS) * max(batch_size, 1) * 4
+    raw = (len(META_FIELDS) * max(batch_size, 1) + 1) * 4  # (+ the work counter)
     return -(-raw // META_ALIGN) * META_ALIGN
 
 
@@ -373,7 +376,7 @@ class _CallPlan:
 
     template: PrefillBatch  # q / k / v / out / lse are replaced at each run
     module: ModuleType
-    staged: Tensor | None  # the host path's int32 (7, B) metadata (pinned on CUDA); None: device path
+    staged: Tensor | None  # the host path's int32 (7 * B + 1) metadata (pinned on CUDA); None: device path
     out_shape: tuple[int, ...] | None  # allocate out like this when the caller gives none
     lse_shape: tuple[int, ...] | None  # allocate lse like this when the caller gives none
     return_lse: bool
@@ -965,6 +968,7 @@ def _device_metadata(batch: PrefillBatch, meta: Tensor) -> None:
         lse_start = torch.arange(batch.batch_size, device=meta.device, dtype=torch.int64) * (batch.max_q * hq)
     rows = (lens_q, lens_kv, q_start, o_start, k_start, v_start, lse_start)
     meta.copy_(torch.stack([r.clamp(max=INT32_MAX) for r in rows]))
+    batch.work_counter.zero_()
 
 
 def _triton_device_metadata(batch: PrefillBatch) -> bool:
@@ -998,7 +1002,10 @@ def _carve_workspace(batch: PrefillBatch, module: ModuleType) -> None:
             f"{ws.numel()} bytes",
         )
     bsz = batch.batch_size
-    batch.meta = ws[: len(META_FIELDS) * bsz * 4].view(torch.int32).view(len(META_FIELDS), bsz)
+    flat = ws[: (len(META_FIELDS) * bsz + 1) * 4].view(torch.int32)  # the table, then the work counter
+    batch.meta = flat[:-1].view(len(META_FIELDS), bsz)
+    batch.work_counter = flat[-1:]
+    batch.extras["meta_flat"] = flat
     batch.scratch = ws[mbytes:]
     if batch.paged and batch.block_tables.device != batch.device:
         batch.block_tables = batch.block_tables.to(batch.device, non_blocking=False)
@@ -1007,13 +1014,13 @@ def _carve_workspace(batch: PrefillBatch, module: ModuleType) -> None:
 
 
 def _stage_metadata(batch: PrefillBatch) -> Tensor | None:
-    """The host path's (7, B) int32 metadata as a host tensor (pinned on CUDA: the copy to the
-    device is then asynchronous); None on the device path."""
+    """The host path's int32 metadata, the (7, B) table flattened and a zero work counter, as a host
+    tensor (pinned on CUDA: the copy to the device is then asynchronous); None on the device path."""
     h = batch.host
     if h is None or not batch.batch_size:
         return None
     rows = (h.lens_q, h.lens_kv, h.q_start, h.o_start, h.k_start, h.v_start, h.lse_start)
-    table = torch.frombuffer(array.array("i", itertools.chain(*rows)), dtype=torch.int32).view(len(rows), -1)
+    table = torch.frombuffer(array.array("i", itertools.chain(*rows, (0,))), dtype=torch.int32)
     return table.pin_memory() if batch.meta.is_cuda else table
 
 
@@ -1028,7 +1035,7 @@ def _write_metadata(batch: PrefillBatch, staged: Tensor | None) -> None:
         if batch.batch_size and not _triton_device_metadata(batch):
             _device_metadata(batch, batch.meta)
     elif staged is not None:
-        batch.meta.copy_(staged, non_blocking=batch.meta.is_cuda)
+        batch.extras["meta_flat"].copy_(staged, non_blocking=batch.meta.is_cuda)
     src = batch.extras.get("block_tables_source")
     if src is not None:
         batch.block_tables = src.to(torch.int32)

@@ -19,11 +19,12 @@ first within a chunk. Each program's warps are split (``gl.warp_specialize``):
   copies land;
 * **consumer warpgroups** (``consumers`` x 4 warps, 64 rows each): per item, copy their Q rows
   into their own slot of shared memory (``cp.async``), then per tile ``j``: wait ``kv_full``, issue
-  ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` as asynchronous wgmmas, wait for ``S_j`` only, run
-  the online softmax of tile ``j`` while the PV GEMM still runs, wait for it, release stage ``j - 1``
-  and rescale ``O``. Consumers are not synchronised with each other, so one's softmax also overlaps
-  another's GEMMs. Every consumer walks every tile of its item (``Config.own_rows``: on causal items
-  each walks only up to its own rows' diagonal and releases the rest unread; off: measured -5% to +4%).
+  ``S_j = Q K_j^T`` as an asynchronous wgmma, rescale ``O`` for tile ``j - 1`` beside it, issue
+  ``O += P_{j-1} V_{j-1}``, wait for ``S_j`` only, run the online softmax of tile ``j`` while the PV
+  GEMM still runs, wait for it and release stage ``j - 1``. Consumers are not synchronised with
+  each other, so one's softmax also overlaps another's GEMMs. Every consumer walks every tile of its
+  item (``Config.own_rows``: on causal items each walks only up to its own rows' diagonal and
+  releases the rest unread; off: measured -5% to +4%).
 
 Lengths, offsets and page ids are read on the device (CUDA-graph safe, no host sync), every integer
 that varies per call is ``do_not_specialize``, masks are evaluated only on tiles that cross the
@@ -70,24 +71,7 @@ LOG2E = 1.4426950408889634
 
 
 if gluon is not None:
-
-    @gluon.jit
-    def _row_reduce(x, IS_MAX: gl.constexpr, CHAINS: gl.constexpr):
-        """Row max (IS_MAX) or row sum of a [rows, cols] wgmma accumulator. Triton reduces a thread's
-        elements one after another (one dependent chain per row); CHAINS > 1 first combines CHAINS
-        column blocks elementwise (register bits of the layout for cols / CHAINS >= 8), so a row's
-        reduction runs as CHAINS independent chains."""
-        if CHAINS > 1:
-            x3 = gl.reshape(x, [x.shape[0], CHAINS, x.shape[1] // CHAINS])
-            if IS_MAX:
-                r = gl.max(gl.max(x3, 1), 1)
-            else:
-                r = gl.sum(gl.sum(x3, 1), 1)
-            return gl.convert_layout(r, gl.SliceLayout(1, x.type.layout))
-        elif IS_MAX:
-            return gl.max(x, 1)
-        else:
-            return gl.sum(x, 1)
+    ITEM_RING = gl.constexpr(4)  # work items the load warps may hand out ahead (DYNAMIC)
 
     @gluon.jit
     def _softmax(
@@ -100,7 +84,6 @@ if gluon is not None:
         kv_len,
         MASKED: gl.constexpr,
         CAUSAL: gl.constexpr,
-        CHAINS: gl.constexpr,
     ):
         """Online-softmax step on one S tile: returns (p, m, l, alpha), p unnormalised (fp32)."""
         if MASKED:
@@ -112,16 +95,16 @@ if gluon is not None:
             else:
                 visible = (cols < kv_len)[None, :]
             s = gl.where(visible, s, float("-inf"))
-            m_new = gl.maximum(m_i, _row_reduce(s, True, CHAINS))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet
             p = gl.exp2(s - m_use[:, None])
         else:
             # every key visible to every row and qk_scale > 0: max(s) * scale = max(s * scale)
-            m_new = gl.maximum(m_i, _row_reduce(s, True, CHAINS) * qk_scale)
+            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
             m_use = m_new
             p = gl.exp2(s * qk_scale - m_use[:, None])
         alpha = gl.exp2(m_i - m_use)
-        l_i = l_i * alpha + _row_reduce(p, False, CHAINS)
+        l_i = l_i * alpha + gl.sum(p, 1)
         return p, m_new, l_i, alpha
 
     @gluon.jit
@@ -224,6 +207,45 @@ if gluon is not None:
         sums."""
         pid = gl.program_id(0)
         return r * gl.num_programs(0) + pid + (r % 2) * (gl.num_programs(0) - 1 - 2 * pid)
+
+    @gluon.jit
+    def _more_items(item, r, total, DYNAMIC: gl.constexpr):
+        """Whether round r (holding item) is one to run."""
+        if DYNAMIC:
+            return item < total
+        else:
+            return r < _num_rounds(total)
+
+    @gluon.jit
+    def _claim_item(r, items, DYNAMIC: gl.constexpr):
+        """Load warps: the item of round r: ``_round_item(r)``, or (DYNAMIC) the next one off the
+        call's work counter, so that a program takes its next item when its loads reach it."""
+        if DYNAMIC:
+            return gl.atomic_add(items[0], 1, sem="relaxed")
+        else:
+            return _round_item(r)
+
+    @gluon.jit
+    def _post_item(item, r, items, LOAD_WARPS: gl.constexpr):
+        """Load warps (DYNAMIC): hand round r's item to the consumers through slot r % ITEM_RING."""
+        slot = r % ITEM_RING
+        mbarrier.wait(items[3].index(slot), ((r // ITEM_RING) & 1) ^ 1)
+        items[1].index(slot).store(
+            gl.full([1], item, gl.int32, gl.BlockedLayout([1], [32], [LOAD_WARPS], [0]))
+        )
+        mbarrier.arrive(items[2].index(slot))
+
+    @gluon.jit
+    def _take_item(r, items, DYNAMIC: gl.constexpr):
+        """Consumers: the item of round r: ``_round_item(r)``, or (DYNAMIC) the load warps' pick."""
+        if DYNAMIC:
+            slot = r % ITEM_RING
+            mbarrier.wait(items[2].index(slot), (r // ITEM_RING) & 1)
+            item = gl.max(items[1].index(slot).load(gl.BlockedLayout([1], [32], [4], [0])), 0)
+            mbarrier.arrive(items[3].index(slot))
+            return item
+        else:
+            return _round_item(r)
 
     @gluon.jit
     def _key_range(
@@ -336,6 +358,7 @@ if gluon is not None:
         GROUP: gl.constexpr,
         BLOCK_M: gl.constexpr,
         CAUSAL: gl.constexpr,
+        DYNAMIC: gl.constexpr,
     ):
         """Load warps: fill stage c % STAGES with the program's c-th key tile (counted across its work
         items) once every consumer released it.
@@ -345,12 +368,16 @@ if gluon is not None:
         bulk-tensor copies of PAGE_BOX rows each, completing on the barrier's byte count; the tile
         that crosses kv_len is gathered with cp.async (rows past the keys zero-filled, so stale
         cache slots never reach the PV GEMM) and signalled once all load threads' copies landed."""
-        k_smem, k1_smem, v_smem, kv_full, kv_empty, total = args
+        k_smem, k1_smem, v_smem, kv_full, kv_empty, total, items = args
         K, V, num_pages = gather[0], gather[1], gather[2]
         k_page_rows, k_head_off, v_page_rows, v_head_off = tma_ints
         c = gl.program_id(0) * 0  # tiles this program has loaded so far
-        for r in range(0, _num_rounds(total)):
-            w = _work_item(_round_item(r), sched, GROUP, PAGE_SIZE, BLOCK_M, BLOCK_N, CAUSAL, False)
+        r = gl.program_id(0) * 0  # rounds (items) so far
+        item = _claim_item(r, items, DYNAMIC)
+        while _more_items(item, r, total, DYNAMIC):
+            if DYNAMIC:
+                _post_item(item, r, items, LOAD_WARPS)
+            w = _work_item(item, sched, GROUP, PAGE_SIZE, BLOCK_M, BLOCK_N, CAUSAL, False)
             kv_head, _, _, kv_len, _, _, _, BT_row, k_start, v_start, hi, _, n_tiles = w
             g = (
                 K,
@@ -439,6 +466,10 @@ if gluon is not None:
                     )
                     async_copy.mbarrier_arrive(kv_full.index(s), increment_count=False)
             c += n_tiles
+            r += 1
+            item = _claim_item(r, items, DYNAMIC)
+        if DYNAMIC:  # (item >= total: the consumers' stop)
+            _post_item(item, r, items, LOAD_WARPS)
 
     @gluon.jit
     def _qk_async(q_sub, q1_sub, k_buf, k1_buf, s_zero, DQ1: gl.constexpr):
@@ -510,7 +541,7 @@ if gluon is not None:
         PAGE_SIZE: gl.constexpr,
         BLOCK_M: gl.constexpr,
         OWN_ROWS: gl.constexpr,
-        CHAINS: gl.constexpr,
+        DYNAMIC: gl.constexpr,
     ):
         """One consumer warpgroup: rows [row0 + R0, row0 + R0 + SUB_M) of each work item's block."""
         (
@@ -531,6 +562,7 @@ if gluon is not None:
             stride_ot,
             stride_oh,
             num_heads_q,
+            items,
         ) = args
         dtype: gl.constexpr = q_smem.dtype
         S_L: gl.constexpr = gl.NVMMADistributedLayout(
@@ -547,8 +579,10 @@ if gluon is not None:
             q1_sub = q_sub
         qargs = (Q, stride_qt, stride_qh)
         c = gl.program_id(0) * 0  # key tiles this program has consumed so far
-        for r in range(0, _num_rounds(total)):
-            w = _work_item(_round_item(r), sched, GROUP, PAGE_SIZE, BLOCK_M, BLOCK_N, CAUSAL, HAS_LSE)
+        r = gl.program_id(0) * 0  # rounds (items) so far
+        item = _take_item(r, items, DYNAMIC)
+        while _more_items(item, r, total, DYNAMIC):
+            w = _work_item(item, sched, GROUP, PAGE_SIZE, BLOCK_M, BLOCK_N, CAUSAL, HAS_LSE)
             kv_head, row0, q_len, kv_len, q_start, o_start, lse_start, _, _, _, _, full, n_tiles = w
             # this warpgroup's Q rows -> its own slot of q_smem, once all its warps are past the
             # previous item's GEMMs
@@ -570,6 +604,7 @@ if gluon is not None:
             if CAUSAL and OWN_ROWS:
                 # (this warpgroup's rows lie inside the block's: its range is within the block's)
                 _, n_walk, full_own = _key_range(row0 + R0, q_len, kv_len, SUB_M, GROUP, BLOCK_N, CAUSAL)
+            alpha = gl.full([SUB_M], 1.0, gl.float32, gl.SliceLayout(1, O_L))
             if n_walk > 0:  # tile 0: nothing to overlap its softmax with yet
                 s0 = c % STAGES
                 mbarrier.wait(kv_full.index(s0), (c // STAGES) & 1)
@@ -577,40 +612,42 @@ if gluon is not None:
                 s_tok = _qk_async(q_sub, q1_sub, k_smem.index(s0), k1_smem.index(s0), s_zero, DQ1)
                 sc = warpgroup_mma_wait(0, deps=[s_tok])
                 if full_own > 0:
-                    p, m_i, l_i, alpha = _softmax(
-                        sc, m_i, l_i, qk_scale, 0, diag, kv_len, False, CAUSAL, CHAINS
-                    )
+                    p, m_i, l_i, alpha0 = _softmax(sc, m_i, l_i, qk_scale, 0, diag, kv_len, False, CAUSAL)
                 else:
-                    p, m_i, l_i, alpha = _softmax(
-                        sc, m_i, l_i, qk_scale, 0, diag, kv_len, True, CAUSAL, CHAINS
-                    )
+                    p, m_i, l_i, alpha0 = _softmax(sc, m_i, l_i, qk_scale, 0, diag, kv_len, True, CAUSAL)
                 p_op = gl.convert_layout(p.to(dtype), P_L)
             for j in range(1, n_walk):
                 s = (c + j) % STAGES
                 prev = (c + j - 1) % STAGES
                 mbarrier.wait(kv_full.index(s), ((c + j) // STAGES) & 1)
                 fence_async_shared()
-                # S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together; softmax(S_j) overlaps PV
+                # S_j = Q K_j^T in flight while O is rescaled for tile j-1 (FA3's order: off the path
+                # from the PV GEMM's wait to the next PV GEMM); then O += P_{j-1} V_{j-1} joins it,
+                # and softmax(S_j) overlaps the PV GEMM
                 s_tok = _qk_async(q_sub, q1_sub, k_smem.index(s), k1_smem.index(s), s_zero, DQ1)
+                if j > 1:  # (tile 0 left O zero)
+                    acc = acc * alpha[:, None]
                 o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
                 sc = warpgroup_mma_wait(1, deps=[s_tok])
                 if (DBG & 2) != 0:
                     p = sc
-                    alpha = m_i
                 elif j * BLOCK_N < full_own:
-                    p, m_i, l_i, alpha = _softmax(
-                        sc, m_i, l_i, qk_scale, j * BLOCK_N, diag, kv_len, False, CAUSAL, CHAINS
+                    p, m_i, l_i, alpha_s = _softmax(
+                        sc, m_i, l_i, qk_scale, j * BLOCK_N, diag, kv_len, False, CAUSAL
                     )
+                    alpha = gl.convert_layout(alpha_s, gl.SliceLayout(1, O_L))
                 else:
-                    p, m_i, l_i, alpha = _softmax(
-                        sc, m_i, l_i, qk_scale, j * BLOCK_N, diag, kv_len, True, CAUSAL, CHAINS
+                    p, m_i, l_i, alpha_s = _softmax(
+                        sc, m_i, l_i, qk_scale, j * BLOCK_N, diag, kv_len, True, CAUSAL
                     )
+                    alpha = gl.convert_layout(alpha_s, gl.SliceLayout(1, O_L))
                 acc = warpgroup_mma_wait(0, deps=[o_tok])
                 mbarrier.arrive(kv_empty.index(prev))
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
                 p_op = gl.convert_layout(p.to(dtype), P_L)
             if n_walk > 0:
                 last = (c + n_walk - 1) % STAGES
+                if n_walk > 1:
+                    acc = acc * alpha[:, None]
                 o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=[o_tok])
                 mbarrier.arrive(kv_empty.index(last))
@@ -634,6 +671,8 @@ if gluon is not None:
                 head_s = kv_head * GROUP + rows_s % GROUP
                 lse_off = lse_start.to(gl.int64) + tok_s.to(gl.int64) * num_heads_q + head_s
                 gl.store(LSE + lse_off, lse2 * 0.6931471805599453, mask=tok_s < q_len)
+            r += 1
+            item = _take_item(r, items, DYNAMIC)
 
     @gluon.jit(
         do_not_specialize=[
@@ -644,7 +683,7 @@ if gluon is not None:
             "bt_stride",
             "chunk_pairs",
         ],
-        do_not_specialize_on_alignment=["BT", "LSE"],
+        do_not_specialize_on_alignment=["BT", "LSE", "COUNTER"],
     )
     def _attention_kernel(
         Q,
@@ -654,6 +693,7 @@ if gluon is not None:
         LSE,
         META,
         BT,
+        COUNTER,
         sm_scale_log2,
         meta_stride,
         batch_size,
@@ -699,7 +739,7 @@ if gluon is not None:
         K_HEAD_ROWS: gl.constexpr,
         V_HEAD_ROWS: gl.constexpr,
         OWN_ROWS: gl.constexpr,
-        CHAINS: gl.constexpr,
+        DYNAMIC: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each (BLOCK_M = 64 * NC); the
@@ -729,6 +769,18 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             mbarrier.init(kv_full.index(i), count=1 if USE_TMA else LOAD_WARPS * 32)
             mbarrier.init(kv_empty.index(i), count=NC)
+        if DYNAMIC:  # (the counter, the ring of item ids, its full and empty barriers)
+            item_ids = gl.allocate_shared_memory(
+                gl.int32, [ITEM_RING, 1], gl.SwizzledSharedLayout(1, 1, 1, [0])
+            )
+            item_full = gl.allocate_shared_memory(gl.int64, [ITEM_RING, 1], mbarrier.MBarrierLayout())
+            item_empty = gl.allocate_shared_memory(gl.int64, [ITEM_RING, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(ITEM_RING):
+                mbarrier.init(item_full.index(i), count=1)
+                mbarrier.init(item_empty.index(i), count=NC)
+            items = (COUNTER, item_ids, item_full, item_empty)
+        else:  # (unused)
+            items = (COUNTER, kv_full, kv_full, kv_empty)
         fence_async_shared()
 
         # ints specialised to 1 arrive as constexprs; partitions take tensors
@@ -762,8 +814,9 @@ if gluon is not None:
             gl.to_tensor(stride_ot),
             gl.to_tensor(stride_oh),
             gl.to_tensor(num_heads_q),
+            items,
         )
-        load = (k_smem, k1_smem, v_smem, kv_full, kv_empty, total)
+        load = (k_smem, k1_smem, v_smem, kv_full, kv_empty, total, items)
         gather = (
             K,
             V,
@@ -807,7 +860,7 @@ if gluon is not None:
                             PAGE_SIZE,
                             BLOCK_M,
                             OWN_ROWS,
-                            CHAINS,
+                            DYNAMIC,
                         ),
                     ),
                     (
@@ -829,7 +882,7 @@ if gluon is not None:
                             PAGE_SIZE,
                             BLOCK_M,
                             OWN_ROWS,
-                            CHAINS,
+                            DYNAMIC,
                         ),
                     ),
                     (
@@ -857,6 +910,7 @@ if gluon is not None:
                             GROUP,
                             BLOCK_M,
                             CAUSAL,
+                            DYNAMIC,
                         ),
                     ),
                 ],
@@ -885,7 +939,7 @@ if gluon is not None:
                             PAGE_SIZE,
                             BLOCK_M,
                             OWN_ROWS,
-                            CHAINS,
+                            DYNAMIC,
                         ),
                     ),
                     (
@@ -907,7 +961,7 @@ if gluon is not None:
                             PAGE_SIZE,
                             BLOCK_M,
                             OWN_ROWS,
-                            CHAINS,
+                            DYNAMIC,
                         ),
                     ),
                     (
@@ -929,7 +983,7 @@ if gluon is not None:
                             PAGE_SIZE,
                             BLOCK_M,
                             OWN_ROWS,
-                            CHAINS,
+                            DYNAMIC,
                         ),
                     ),
                     (
@@ -957,6 +1011,7 @@ if gluon is not None:
                             GROUP,
                             BLOCK_M,
                             CAUSAL,
+                            DYNAMIC,
                         ),
                     ),
                 ],
@@ -1012,9 +1067,9 @@ class Config:
     # (tiles past its last key are released unread); off: measured -2 to -5% on q16k, b4_q4k and
     # chunked, +1-4% on page1 and mla192
     own_rows: int = 0
-    # independent partial chains per row in the softmax's row max and row sum (1: Triton's in-order
-    # reduction, 32-64 dependent FMNMX / FADD per row and tile); compiled, not yet measured
-    row_chains: int = 1
+    # items handed out by a per-call work counter as the programs' loads reach them (list
+    # scheduling, same order), instead of the static snake rounds; compiled, not yet measured
+    dynamic: int = 0
 
     @property
     def BLOCK_M(self) -> int:
@@ -1080,8 +1135,8 @@ def config(batch: PrefillBatch | None = None) -> Config:
         why = f"chunk must be >= 0 (0: all pairs in one chunk), got {cfg.chunk}"
     elif cfg.own_rows not in (0, 1):
         why = f"own_rows must be 0 or 1, got {cfg.own_rows}"
-    elif cfg.row_chains not in (1, 2, 4) or cfg.BLOCK_N // cfg.row_chains < 8:
-        why = f"row_chains must be 1, 2 or 4, with BLOCK_N / row_chains >= 8, got {cfg.row_chains}"
+    elif cfg.dynamic not in (0, 1):
+        why = f"dynamic must be 0 or 1, got {cfg.dynamic}"
     if why:
         raise ValueError(f"PAGEDPREFILL_GLUON_CONFIG: {why}")
     return cfg
@@ -1205,6 +1260,7 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
         batch.lse if batch.lse is not None else meta,
         meta,
         bt,
+        batch.work_counter if batch.work_counter is not None else meta,
         float(batch.scale) * LOG2E,
         meta.stride(0),
         bsz,
@@ -1245,7 +1301,7 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
         K_HEAD_ROWS=bool(tma_plan and k_tma[3]),
         V_HEAD_ROWS=bool(tma_plan and v_tma[3]),
         OWN_ROWS=bool(cfg.own_rows),
-        CHAINS=cfg.row_chains,
+        DYNAMIC=bool(cfg.dynamic and batch.work_counter is not None),
         num_warps=4,
     )
     return [(_attention_kernel, (grid,), args, kwargs)]

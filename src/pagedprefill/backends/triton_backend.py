@@ -782,7 +782,8 @@ if triton is not None:
         PAGED: tl.constexpr, LSE_MODE: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         """api._device_metadata in one program: the (7, n_seq) int32 table from untrusted device
-        lengths/offsets, clamped the same way (prefix sums carried across BLOCK-sized chunks).
+        lengths/offsets, clamped the same way (prefix sums carried across BLOCK-sized chunks), and
+        the zero work counter right after it (``PrefillBatch.work_counter``).
         LSE_MODE: 0 none, 1 padded (B, max_q, Hq), 2 packed (offsets OS)."""
         big = 2147483647
         carry_q = tl.zeros([], tl.int64)
@@ -842,6 +843,7 @@ if triton is not None:
             tl.store(META + 4 * meta_stride + b, tl.minimum(ks, big).to(tl.int32), mask=ok)
             tl.store(META + 5 * meta_stride + b, tl.minimum(vs, big).to(tl.int32), mask=ok)
             tl.store(META + 6 * meta_stride + b, tl.minimum(ls, big).to(tl.int32), mask=ok)
+        tl.store(META + 7 * meta_stride, 0)
 
 
 # --------------------------------------------------------------------------------------------
