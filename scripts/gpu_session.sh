@@ -26,7 +26,7 @@ for s in $steps; do
     timeline) timeout 150 python3 scripts/overhead_timeline.py 2>&1 | grep -v -i warn | tee "$OUT/timeline.log" ;;
     gluon) timeout 420 python3 -m pytest -q -x -m gpu tests/test_gluon_sm90.py 2>&1 | tee "$OUT/gluon-tests.log" | tail -5 ;;
     pending)  # GPU tests written after the last device run (docs/triton_kernel.md, "not yet run")
-           timeout 240 python3 -m pytest -q -x -m gpu tests/test_gluon_sm90.py -k "dynamic or large_scores or cuda_graph_replay_forced" 2>&1 \
+           timeout 240 python3 -m pytest -q -x -m gpu tests/test_gluon_sm90.py -k "dynamic or chunked_dealing or cuda_graph_replay_forced" 2>&1 \
              | tee "$OUT/pending-tests.log" | tail -5 ;;
     probe) WIDE=g.consumers=2,g.BLOCK_N=128,g.consumer_regs=224,g.load_regs=56  # 128 x 128 tiles
            W=llama8b_b1_q16k,llama8b_b4_q4k,llama8b_b16_q1k,chunked_b8_q512_p7680,varlen_b32,llama70b_b8_q2k

@@ -73,10 +73,13 @@ def test_head_dims_served(dims, served):
 
 def test_config_picks_wide_tiles_by_shape(monkeypatch):
     """128 x 128 tiles on two consumers (``WIDE``) exactly where they measured faster: D = 128 with
-    TMA-eligible K/V, and non-causal, pages of >= 64 tokens or max_kv >= 4 * max_q; an explicit
+    TMA-eligible K/V, and non-causal, pages of >= 64 tokens or max_kv >= 4 * max_q; items off the
+    work counter except for chunked prefill (max_kv >= 4 * max_q); an explicit
     PAGEDPREFILL_GLUON_CONFIG replaces the choice."""
     monkeypatch.delenv("PAGEDPREFILL_GLUON_CONFIG", raising=False)
+    assert gs.DEFAULT.dynamic == 1
     wide = dataclasses.replace(gs.DEFAULT, **gs.WIDE)
+    chunked = dataclasses.replace(wide, dynamic=0)
 
     def cfg(**kw):
         base = dict(lens_q=[5, 7], lens_kv=[9, 20], hq=8, hkv=2, dqk=128, page_size=16, dtype=torch.float16)
@@ -86,7 +89,8 @@ def test_config_picks_wide_tiles_by_shape(monkeypatch):
     assert cfg(causal=False) == wide
     assert cfg(page_size=64) == wide
     assert cfg(page_size=0, causal=False) == wide
-    assert cfg(max_q=7, max_kv=28) == wide and cfg(max_q=8, max_kv=31) == gs.DEFAULT
+    assert cfg(max_q=7, max_kv=28) == chunked and cfg(max_q=8, max_kv=31) == gs.DEFAULT
+    assert cfg(max_q=7, max_kv=28, dqk=64) == dataclasses.replace(gs.DEFAULT, dynamic=0)
     assert cfg(causal=False, dqk=64) == gs.DEFAULT and cfg(causal=False, page_size=8) == gs.DEFAULT
     assert cfg(causal=False, dqk=192, dvo=128) == gs.DEFAULT
     assert gs.config() == gs.DEFAULT
@@ -210,9 +214,7 @@ _AOT = textwrap.dedent(
 WIDE = "," + ",".join(f"{k}={v}" for k, v in gs.WIDE.items())  # 128 x 128 tiles, 2 consumers
 
 
-@pytest.mark.parametrize(
-    "tma, knobs", [(0, ""), (1, ""), (0, ",own_rows=1"), (1, ",own_rows=1"), (1, WIDE), (1, ",dynamic=1")]
-)
+@pytest.mark.parametrize("tma, knobs", [(0, ""), (1, ""), (0, ",own_rows=1"), (1, ",own_rows=1"), (1, WIDE)])
 def test_compiles_for_sm90(tmp_path, tma, knobs):
     specs = [
         (128, 16, True, "bfloat16"),
@@ -367,10 +369,11 @@ def check_forced(seed: int, params: dict) -> None:
 def test_gpu_random_grid_forced(seed, monkeypatch):
     """Forced onto the Gluon kernel; odd seeds shrink the persistent grid to 1-3 programs so that
     every program walks many work items (the ring's phases carried across items); the items are
-    dealt in chunks of 0 (all), 1, 2, 3 or the default 4 (sequence, KV head) pairs."""
+    dealt in chunks of 0 (all), 1, 2, 3 or the default 4 (sequence, KV head) pairs, in static rounds
+    or off the work counter."""
     if seed % 2:
         monkeypatch.setattr(gs, "_num_sms", lambda device, n=1 + seed % 3: n)
-    monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", f"chunk={seed % 5}")
+    monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", f"chunk={seed % 5},dynamic={seed // 2 % 2}")
     check_forced(seed, gluon_params(seed))
 
 
@@ -448,7 +451,7 @@ def test_gpu_random_grid_large_scores(seed, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seed", range(1100, 1120))
+@pytest.mark.parametrize("seed", range(1100, 1110))
 def test_gpu_random_grid_dynamic(seed, monkeypatch):
     """Knob dynamic=1 (items off the call's work counter): the forced grid's cases on 1-3-program
     grids (each program takes many items, the ring of item ids wraps), with 64-key and WIDE tiles
@@ -469,12 +472,13 @@ def test_gpu_random_grid_dynamic(seed, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("causal", [True, False])
-def test_gpu_chunked_dealing_short_last_chunk(causal, monkeypatch):
+@pytest.mark.parametrize("causal, dynamic", [(True, 0), (False, 0), (True, 1), (False, 1)])
+def test_gpu_chunked_dealing_short_last_chunk(causal, dynamic, monkeypatch):
     """Many row blocks per (sequence, KV head) pair, 6 pairs dealt in chunks of 4 (the last one
-    short) on a 3-program grid: every item is computed once, whatever order it comes in."""
+    short) on a 3-program grid, in static rounds or off the work counter: every item is computed
+    once, whatever order it comes in."""
     monkeypatch.setattr(gs, "_num_sms", lambda device: 3)
-    monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", "chunk=4")
+    monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", f"chunk=4,dynamic={dynamic}")
     case = make_case(
         41,
         lens_q=[700, 300, 520],

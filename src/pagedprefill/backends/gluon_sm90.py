@@ -71,7 +71,7 @@ LOG2E = 1.4426950408889634
 
 
 if gluon is not None:
-    ITEM_RING = gl.constexpr(4)  # work items the load warps may hand out ahead (DYNAMIC)
+    ITEM_RING = gl.constexpr(4)  # work items the load warps may hand out ahead (Config.dynamic)
 
     @gluon.jit
     def _softmax(
@@ -209,25 +209,24 @@ if gluon is not None:
         return r * gl.num_programs(0) + pid + (r % 2) * (gl.num_programs(0) - 1 - 2 * pid)
 
     @gluon.jit
-    def _more_items(item, r, total, DYNAMIC: gl.constexpr):
+    def _more_items(item, r, total, items):
         """Whether round r (holding item) is one to run."""
-        if DYNAMIC:
-            return item < total
-        else:
-            return r < _num_rounds(total)
+        dyn = items[4] != 0
+        return (dyn & (item < total)) | ((not dyn) & (r < _num_rounds(total)))
 
     @gluon.jit
-    def _claim_item(r, items, DYNAMIC: gl.constexpr):
-        """Load warps: the item of round r: ``_round_item(r)``, or (DYNAMIC) the next one off the
-        call's work counter, so that a program takes its next item when its loads reach it."""
-        if DYNAMIC:
-            return gl.atomic_add(items[0], 1, sem="relaxed")
+    def _claim_item(r, items):
+        """Load warps: the item of round r: ``_round_item(r)``, or (``dynamic``) the next one off
+        the call's work counter, so that a program takes its next item when its loads reach it."""
+        if items[4] != 0:
+            item = gl.atomic_add(items[0], 1, sem="relaxed")
         else:
-            return _round_item(r)
+            item = _round_item(r)
+        return item
 
     @gluon.jit
     def _post_item(item, r, items, LOAD_WARPS: gl.constexpr):
-        """Load warps (DYNAMIC): hand round r's item to the consumers through slot r % ITEM_RING."""
+        """Load warps (``dynamic``): hand round r's item to the consumers through slot r % ITEM_RING."""
         slot = r % ITEM_RING
         mbarrier.wait(items[3].index(slot), ((r // ITEM_RING) & 1) ^ 1)
         items[1].index(slot).store(
@@ -236,16 +235,16 @@ if gluon is not None:
         mbarrier.arrive(items[2].index(slot))
 
     @gluon.jit
-    def _take_item(r, items, DYNAMIC: gl.constexpr):
-        """Consumers: the item of round r: ``_round_item(r)``, or (DYNAMIC) the load warps' pick."""
-        if DYNAMIC:
+    def _take_item(r, items):
+        """Consumers: the item of round r: ``_round_item(r)``, or (``dynamic``) the load warps' pick."""
+        if items[4] != 0:
             slot = r % ITEM_RING
             mbarrier.wait(items[2].index(slot), (r // ITEM_RING) & 1)
             item = gl.max(items[1].index(slot).load(gl.BlockedLayout([1], [32], [4], [0])), 0)
             mbarrier.arrive(items[3].index(slot))
-            return item
         else:
-            return _round_item(r)
+            item = _round_item(r)
+        return item
 
     @gluon.jit
     def _key_range(
@@ -358,7 +357,6 @@ if gluon is not None:
         GROUP: gl.constexpr,
         BLOCK_M: gl.constexpr,
         CAUSAL: gl.constexpr,
-        DYNAMIC: gl.constexpr,
     ):
         """Load warps: fill stage c % STAGES with the program's c-th key tile (counted across its work
         items) once every consumer released it.
@@ -373,9 +371,9 @@ if gluon is not None:
         k_page_rows, k_head_off, v_page_rows, v_head_off = tma_ints
         c = gl.program_id(0) * 0  # tiles this program has loaded so far
         r = gl.program_id(0) * 0  # rounds (items) so far
-        item = _claim_item(r, items, DYNAMIC)
-        while _more_items(item, r, total, DYNAMIC):
-            if DYNAMIC:
+        item = _claim_item(r, items)
+        while _more_items(item, r, total, items):
+            if items[4] != 0:
                 _post_item(item, r, items, LOAD_WARPS)
             w = _work_item(item, sched, GROUP, PAGE_SIZE, BLOCK_M, BLOCK_N, CAUSAL, False)
             kv_head, _, _, kv_len, _, _, _, BT_row, k_start, v_start, hi, _, n_tiles = w
@@ -467,8 +465,8 @@ if gluon is not None:
                     async_copy.mbarrier_arrive(kv_full.index(s), increment_count=False)
             c += n_tiles
             r += 1
-            item = _claim_item(r, items, DYNAMIC)
-        if DYNAMIC:  # (item >= total: the consumers' stop)
+            item = _claim_item(r, items)
+        if items[4] != 0:  # (item >= total: the consumers' stop)
             _post_item(item, r, items, LOAD_WARPS)
 
     @gluon.jit
@@ -541,7 +539,6 @@ if gluon is not None:
         PAGE_SIZE: gl.constexpr,
         BLOCK_M: gl.constexpr,
         OWN_ROWS: gl.constexpr,
-        DYNAMIC: gl.constexpr,
     ):
         """One consumer warpgroup: rows [row0 + R0, row0 + R0 + SUB_M) of each work item's block."""
         (
@@ -580,8 +577,8 @@ if gluon is not None:
         qargs = (Q, stride_qt, stride_qh)
         c = gl.program_id(0) * 0  # key tiles this program has consumed so far
         r = gl.program_id(0) * 0  # rounds (items) so far
-        item = _take_item(r, items, DYNAMIC)
-        while _more_items(item, r, total, DYNAMIC):
+        item = _take_item(r, items)
+        while _more_items(item, r, total, items):
             w = _work_item(item, sched, GROUP, PAGE_SIZE, BLOCK_M, BLOCK_N, CAUSAL, HAS_LSE)
             kv_head, row0, q_len, kv_len, q_start, o_start, lse_start, _, _, _, _, full, n_tiles = w
             # this warpgroup's Q rows -> its own slot of q_smem, once all its warps are past the
@@ -672,7 +669,7 @@ if gluon is not None:
                 lse_off = lse_start.to(gl.int64) + tok_s.to(gl.int64) * num_heads_q + head_s
                 gl.store(LSE + lse_off, lse2 * 0.6931471805599453, mask=tok_s < q_len)
             r += 1
-            item = _take_item(r, items, DYNAMIC)
+            item = _take_item(r, items)
 
     @gluon.jit(
         do_not_specialize=[
@@ -682,6 +679,7 @@ if gluon is not None:
             "num_pages",
             "bt_stride",
             "chunk_pairs",
+            "dynamic",
         ],
         do_not_specialize_on_alignment=["BT", "LSE", "COUNTER"],
     )
@@ -694,6 +692,7 @@ if gluon is not None:
         META,
         BT,
         COUNTER,
+        dynamic,
         sm_scale_log2,
         meta_stride,
         batch_size,
@@ -739,7 +738,6 @@ if gluon is not None:
         K_HEAD_ROWS: gl.constexpr,
         V_HEAD_ROWS: gl.constexpr,
         OWN_ROWS: gl.constexpr,
-        DYNAMIC: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each (BLOCK_M = 64 * NC); the
@@ -769,18 +767,15 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             mbarrier.init(kv_full.index(i), count=1 if USE_TMA else LOAD_WARPS * 32)
             mbarrier.init(kv_empty.index(i), count=NC)
-        if DYNAMIC:  # (the counter, the ring of item ids, its full and empty barriers)
-            item_ids = gl.allocate_shared_memory(
-                gl.int32, [ITEM_RING, 1], gl.SwizzledSharedLayout(1, 1, 1, [0])
-            )
-            item_full = gl.allocate_shared_memory(gl.int64, [ITEM_RING, 1], mbarrier.MBarrierLayout())
-            item_empty = gl.allocate_shared_memory(gl.int64, [ITEM_RING, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(ITEM_RING):
-                mbarrier.init(item_full.index(i), count=1)
-                mbarrier.init(item_empty.index(i), count=NC)
-            items = (COUNTER, item_ids, item_full, item_empty)
-        else:  # (unused)
-            items = (COUNTER, kv_full, kv_full, kv_empty)
+        # dynamic != 0: items come off the work counter; the load warps hand them to the consumers
+        # through a ring of item ids (ITEM_RING slots, with full and empty barriers)
+        item_ids = gl.allocate_shared_memory(gl.int32, [ITEM_RING, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        item_full = gl.allocate_shared_memory(gl.int64, [ITEM_RING, 1], mbarrier.MBarrierLayout())
+        item_empty = gl.allocate_shared_memory(gl.int64, [ITEM_RING, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(ITEM_RING):
+            mbarrier.init(item_full.index(i), count=1)
+            mbarrier.init(item_empty.index(i), count=NC)
+        items = (COUNTER, item_ids, item_full, item_empty, gl.to_tensor(dynamic))
         fence_async_shared()
 
         # ints specialised to 1 arrive as constexprs; partitions take tensors
@@ -860,7 +855,6 @@ if gluon is not None:
                             PAGE_SIZE,
                             BLOCK_M,
                             OWN_ROWS,
-                            DYNAMIC,
                         ),
                     ),
                     (
@@ -882,7 +876,6 @@ if gluon is not None:
                             PAGE_SIZE,
                             BLOCK_M,
                             OWN_ROWS,
-                            DYNAMIC,
                         ),
                     ),
                     (
@@ -910,7 +903,6 @@ if gluon is not None:
                             GROUP,
                             BLOCK_M,
                             CAUSAL,
-                            DYNAMIC,
                         ),
                     ),
                 ],
@@ -939,7 +931,6 @@ if gluon is not None:
                             PAGE_SIZE,
                             BLOCK_M,
                             OWN_ROWS,
-                            DYNAMIC,
                         ),
                     ),
                     (
@@ -961,7 +952,6 @@ if gluon is not None:
                             PAGE_SIZE,
                             BLOCK_M,
                             OWN_ROWS,
-                            DYNAMIC,
                         ),
                     ),
                     (
@@ -983,7 +973,6 @@ if gluon is not None:
                             PAGE_SIZE,
                             BLOCK_M,
                             OWN_ROWS,
-                            DYNAMIC,
                         ),
                     ),
                     (
@@ -1011,7 +1000,6 @@ if gluon is not None:
                             GROUP,
                             BLOCK_M,
                             CAUSAL,
-                            DYNAMIC,
                         ),
                     ),
                 ],
@@ -1067,9 +1055,11 @@ class Config:
     # (tiles past its last key are released unread); off: measured -2 to -5% on q16k, b4_q4k and
     # chunked, +1-4% on page1 and mla192
     own_rows: int = 0
-    # items handed out by a per-call work counter as the programs' loads reach them (list
-    # scheduling, same order), instead of the static snake rounds; compiled, not yet measured
-    dynamic: int = 0
+    # 1: items come off a per-call work counter as each program's loads reach them (list scheduling
+    # in the same order) instead of the static snake rounds: +10% varlen, +3-5% b4_q4k, D 64 and
+    # mla192, -7% chunked prefill (equal items: static rounds keep the programs sharing a prefix in
+    # step, so its tiles stay in L2); a runtime argument, `config` turns it off for max_kv >= 4 max_q
+    dynamic: int = 1
 
     @property
     def BLOCK_M(self) -> int:
@@ -1100,12 +1090,16 @@ def prefers_wide(batch: PrefillBatch) -> bool:
 
 
 def config(batch: PrefillBatch | None = None) -> Config:
-    """``DEFAULT``, or ``DEFAULT`` with ``WIDE`` where :func:`prefers_wide` says so for ``batch``;
+    """``DEFAULT``, with ``WIDE`` where :func:`prefers_wide` says so for ``batch`` and static rounds
+    (``dynamic=0``) for chunked prefill (``max_kv >= 4 * max_q``);
     ``PAGEDPREFILL_GLUON_CONFIG="stages=4,consumers=2,..."`` replaces that choice with ``DEFAULT`` and
     its knobs applied."""
     raw = os.environ.get("PAGEDPREFILL_GLUON_CONFIG", "").strip()
     if not raw:
-        return replace(DEFAULT, **WIDE) if batch is not None and prefers_wide(batch) else DEFAULT
+        if batch is None:
+            return DEFAULT
+        cfg = replace(DEFAULT, **WIDE) if prefers_wide(batch) else DEFAULT
+        return replace(cfg, dynamic=0) if batch.max_kv >= 4 * batch.max_q else cfg
     over = {}
     for item in raw.split(","):
         key, _, val = item.partition("=")
@@ -1261,6 +1255,7 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
         meta,
         bt,
         batch.work_counter if batch.work_counter is not None else meta,
+        int(bool(cfg.dynamic and batch.work_counter is not None)),
         float(batch.scale) * LOG2E,
         meta.stride(0),
         bsz,
@@ -1301,7 +1296,6 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
         K_HEAD_ROWS=bool(tma_plan and k_tma[3]),
         V_HEAD_ROWS=bool(tma_plan and v_tma[3]),
         OWN_ROWS=bool(cfg.own_rows),
-        DYNAMIC=bool(cfg.dynamic and batch.work_counter is not None),
         num_warps=4,
     )
     return [(_attention_kernel, (grid,), args, kwargs)]
