@@ -1057,8 +1057,9 @@ class Config:
     own_rows: int = 0
     # 1: items come off a per-call work counter as each program's loads reach them (list scheduling
     # in the same order) instead of the static snake rounds: +10% varlen, +3-5% b4_q4k, D 64 and
-    # mla192, -7% chunked prefill (equal items: static rounds keep the programs sharing a prefix in
-    # step, so its tiles stay in L2); a runtime argument, `config` turns it off for max_kv >= 4 max_q
+    # mla192; -7% chunked prefill and -1 to -3% on prompts of 1k (equal items: static rounds keep
+    # the programs that share K/V in step, so its tiles stay in L2). A runtime argument; `config`
+    # turns it off for max_q < 2048 and for max_kv >= 4 max_q
     dynamic: int = 1
 
     @property
@@ -1091,7 +1092,7 @@ def prefers_wide(batch: PrefillBatch) -> bool:
 
 def config(batch: PrefillBatch | None = None) -> Config:
     """``DEFAULT``, with ``WIDE`` where :func:`prefers_wide` says so for ``batch`` and static rounds
-    (``dynamic=0``) for chunked prefill (``max_kv >= 4 * max_q``);
+    (``dynamic=0``) for short prompts (``max_q < 2048``) and chunked prefill (``max_kv >= 4 * max_q``);
     ``PAGEDPREFILL_GLUON_CONFIG="stages=4,consumers=2,..."`` replaces that choice with ``DEFAULT`` and
     its knobs applied."""
     raw = os.environ.get("PAGEDPREFILL_GLUON_CONFIG", "").strip()
@@ -1099,7 +1100,8 @@ def config(batch: PrefillBatch | None = None) -> Config:
         if batch is None:
             return DEFAULT
         cfg = replace(DEFAULT, **WIDE) if prefers_wide(batch) else DEFAULT
-        return replace(cfg, dynamic=0) if batch.max_kv >= 4 * batch.max_q else cfg
+        static = batch.max_q < 2048 or batch.max_kv >= 4 * batch.max_q
+        return replace(cfg, dynamic=0) if static else cfg
     over = {}
     for item in raw.split(","):
         key, _, val = item.partition("=")
