@@ -74,7 +74,7 @@ def test_head_dims_served(dims, served):
 def test_config_picks_wide_tiles_by_shape(monkeypatch):
     """128 x 128 tiles on two consumers (``WIDE``) exactly where they measured faster: D = 128 with
     TMA-eligible K/V, and non-causal, pages of >= 64 tokens or max_kv >= 4 * max_q; items off the
-    work counter except for max_q < 2048 and chunked prefill (max_kv >= 4 * max_q); an explicit
+    work counter except for max_q <= 1024 and chunked prefill (max_kv >= 4 * max_q); an explicit
     PAGEDPREFILL_GLUON_CONFIG replaces the choice."""
     monkeypatch.delenv("PAGEDPREFILL_GLUON_CONFIG", raising=False)
     assert gs.DEFAULT.dynamic == 1
@@ -85,13 +85,13 @@ def test_config_picks_wide_tiles_by_shape(monkeypatch):
         base = dict(lens_q=[5, 7], lens_kv=[9, 20], hq=8, hkv=2, dqk=128, page_size=16, dtype=torch.float16)
         return gs.config(direct_batch(make_case(1, **{**base, **kw})))
 
-    assert cfg() == static  # causal, pages of 16, max_kv = 20 < 4 * 7, max_q < 2048
+    assert cfg() == static  # causal, pages of 16, max_kv = 20 < 4 * 7, max_q <= 1024
     assert cfg(causal=False) == wide
     assert cfg(page_size=64) == wide
     assert cfg(page_size=0, causal=False) == wide
     assert cfg(max_q=7, max_kv=28) == wide and cfg(max_q=8, max_kv=31) == static
     assert cfg(max_q=2048, max_kv=8191) == gs.DEFAULT and cfg(max_q=2048, max_kv=8192) == wide
-    assert cfg(max_q=2048, max_kv=2048, dqk=64) == gs.DEFAULT
+    assert cfg(max_q=1025, max_kv=2048, dqk=64) == gs.DEFAULT and cfg(max_q=1024, max_kv=1024) == static
     assert cfg(max_q=2048, max_kv=2048, causal=False) == dataclasses.replace(gs.DEFAULT, **gs.WIDE)
     assert cfg(causal=False, dqk=64) == static and cfg(causal=False, page_size=8) == static
     assert cfg(causal=False, dqk=192, dvo=128) == static

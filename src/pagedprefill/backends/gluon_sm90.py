@@ -1059,7 +1059,7 @@ class Config:
     # in the same order) instead of the static snake rounds: +10% varlen, +3-5% b4_q4k, D 64 and
     # mla192; -7% chunked prefill and -1 to -3% on prompts of 1k (equal items: static rounds keep
     # the programs that share K/V in step, so its tiles stay in L2). A runtime argument; `config`
-    # turns it off for max_q < 2048 and for max_kv >= 4 max_q
+    # turns it off for max_q <= 1024 and for max_kv >= 4 max_q
     dynamic: int = 1
 
     @property
@@ -1092,7 +1092,7 @@ def prefers_wide(batch: PrefillBatch) -> bool:
 
 def config(batch: PrefillBatch | None = None) -> Config:
     """``DEFAULT``, with ``WIDE`` where :func:`prefers_wide` says so for ``batch`` and static rounds
-    (``dynamic=0``) for short prompts (``max_q < 2048``) and chunked prefill (``max_kv >= 4 * max_q``);
+    (``dynamic=0``) for short prompts (``max_q <= 1024``) and chunked prefill (``max_kv >= 4 * max_q``);
     ``PAGEDPREFILL_GLUON_CONFIG="stages=4,consumers=2,..."`` replaces that choice with ``DEFAULT`` and
     its knobs applied."""
     raw = os.environ.get("PAGEDPREFILL_GLUON_CONFIG", "").strip()
@@ -1100,7 +1100,7 @@ def config(batch: PrefillBatch | None = None) -> Config:
         if batch is None:
             return DEFAULT
         cfg = replace(DEFAULT, **WIDE) if prefers_wide(batch) else DEFAULT
-        static = batch.max_q < 2048 or batch.max_kv >= 4 * batch.max_q
+        static = batch.max_q <= 1024 or batch.max_kv >= 4 * batch.max_q
         return replace(cfg, dynamic=0) if static else cfg
     over = {}
     for item in raw.split(","):
