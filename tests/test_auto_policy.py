@@ -44,9 +44,14 @@ def gluon(monkeypatch):
 
 
 def test_long_prefills_prefer_triton_where_the_gluon_kernel_serves(gluon):
+    """Over 1024 query tokens (causal or not, paged or ragged): varlen_b32 (max_q 1973), b4_q4k,
+    q16k, noncausal_b8_q2k, llama70b_b8_q2k measured 0.99-1.11x."""
     assert auto_policy.order(_batch())[0] == "triton"
     assert auto_policy.order(_batch(paged=False, max_q=4096, max_kv=4096))[0] == "triton"
-    assert auto_policy.order(_batch(max_q=4095))[0] == "cudnn"
+    assert auto_policy.order(_batch(max_q=1025, max_kv=5461))[0] == "triton"
+    assert auto_policy.order(_batch(max_q=2048, max_kv=2048, causal=False))[0] == "triton"
+    assert auto_policy.order(_batch(max_q=1024, max_kv=2048))[0] == "cudnn"  # page64_b16_q1k-like
+    assert auto_policy.order(_batch(max_q=1024, max_kv=1024, causal=False))[0] == "cudnn"
     gluon["value"] = False  # e.g. not an H200, head dim 96, knob gluon=0
     assert auto_policy.order(_batch())[0] == "cudnn"
 
@@ -55,14 +60,6 @@ def test_head_dim_64_prefers_triton_where_the_gluon_kernel_serves(gluon):
     assert auto_policy.order(_batch(max_q=1024, max_kv=1024, d=64))[0] == "triton"
     gluon["value"] = False
     assert auto_policy.order(_batch(max_q=1024, max_kv=1024, d=64))[0] == "cudnn"
-
-
-def test_long_non_causal_prefills_prefer_triton_where_the_gluon_kernel_serves(gluon):
-    assert auto_policy.order(_batch(max_q=2048, max_kv=2048, causal=False))[0] == "triton"
-    assert auto_policy.order(_batch(max_q=2047, max_kv=2048, causal=False))[0] == "cudnn"
-    assert auto_policy.order(_batch(max_q=2048, max_kv=2048, causal=True))[0] == "cudnn"
-    gluon["value"] = False
-    assert auto_policy.order(_batch(max_q=2048, max_kv=2048, causal=False))[0] == "cudnn"
 
 
 def test_chunked_prefills_prefer_triton_where_the_gluon_kernel_runs_wide_tiles(gluon):
@@ -76,7 +73,7 @@ def test_chunked_prefills_prefer_triton_where_the_gluon_kernel_runs_wide_tiles(g
 
 
 def test_mla_head_dims_prefer_cudnn_even_where_the_gluon_kernel_serves(gluon):
-    assert auto_policy.order(_batch(d=192, dvo=128))[0] == "cudnn"  # 0.90-0.95x at max_q 4096
+    assert auto_policy.order(_batch(d=192, dvo=128))[0] == "cudnn"  # 0.97-0.98x at max_q 4096
     assert auto_policy.order(_batch(d=192, dvo=128, max_q=2048, causal=False))[0] == "cudnn"
     assert auto_policy.order(_batch(d=192, dvo=128, page_size=1))[0] == "triton"  # small pages still
 

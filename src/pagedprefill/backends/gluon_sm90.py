@@ -5,10 +5,13 @@ its automatic warp specialisation does not engage on it (``docs/triton_kernel.md
 ``warpgroup_mma(is_async=True)`` / ``warpgroup_mma_wait(n)``, mbarriers and ``warp_specialize``.
 
 A work item is ``BLOCK_M = 64 * consumers`` query rows of one sequence and one KV head; a row is a
-(token, head-in-group) pair, GQA packing exactly as in ``triton_backend``. A persistent grid (one
-program per SM; ``Config.persistent``) deals the items in rounds, in snake order
-(``_round_item``), chunk by chunk of ``Config.chunk`` (sequence, KV head) pairs, heaviest row block
-first within a chunk. Each program's warps are split (``gl.warp_specialize``):
+(token, head-in-group) pair, GQA packing exactly as in ``triton_backend``. Items are ordered chunk
+by chunk of ``Config.chunk`` (sequence, KV head) pairs, heaviest row block first within a chunk. A
+persistent grid (one program per SM; ``Config.persistent``) takes them off a per-call work counter
+as each program's load warps reach their next item (``Config.dynamic``, ``PrefillBatch.work_counter``;
+the load warps pass the ids to the consumers through a small shared-memory ring), or deals them in
+static rounds in snake order (``_round_item``; chunked prefill and prompts of <= 1024 tokens, where
+that measured faster). Each program's warps are split (``gl.warp_specialize``):
 
 * **load warps** (``load_warps``, few registers): for the program's key tile ``c`` (counted across
   its items) they wait until every consumer released stage ``c % stages`` (``kv_empty``), then fetch
