@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install, GPU tests, smoke checks, benchmark. Logs go to $OUT.
 # Usage (on the GPU machine, from the repo root): bash scripts/gpu_session.sh [steps...]
-# steps: tests smoke bench graph serving overhead timeline profile gluon pending probe (default: tests smoke bench).
+# steps: tests smoke bench graph serving overhead timeline profile gluon pending probe diag (default: tests smoke bench).
 # Extra pytest args via PYTEST_ARGS, bench args via BENCH_ARGS.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -36,6 +36,12 @@ for s in $steps; do
            timeout 330 python3 scripts/tune_triton.py --graph --workloads $W \
              --configs "gluon=1;gluon=1,g.dynamic=1;gluon=1,$WIDE;gluon=1,$WIDE,g.dynamic=1" \
              2>&1 | grep -A70 SUMMARY | tee "$OUT/gluon-probe.log" ;;
+    diag)  # per-item costs of the Gluon kernel: no Q copies (8), no O/LSE stores (16), neither (24); wrong results
+           W=llama8b_b16_q1k,page64_b16_q1k,llama70b_b8_q2k,llama8b_b4_q4k,llama8b_b1_q16k
+           for d in 0 8 16 24; do
+             timeout 150 python3 scripts/tune_triton.py --graph --gluon-diag $d --workloads $W --configs "gluon=1" \
+               2>&1 | grep -A12 SUMMARY | sed "s/^/diag=$d /" | tee -a "$OUT/gluon-diag.log"
+           done ;;
     profile) timeout 120 python3 scripts/host_profile.py llama8b_b16_q1k cudnn triton 2>&1 | tee "$OUT/profile.log" | grep -A6 "host us" ;;
     *) echo "unknown step $s" ;;
   esac

@@ -71,7 +71,8 @@ def main() -> int:
         "--gluon-diag",
         type=int,
         default=0,
-        help="gluon_sm90.DIAGNOSTIC_SKIP (bits: 1 no K/V copies, 2 no softmax, 4 no V copies); wrong results",
+        help="gluon_sm90.DIAGNOSTIC_SKIP (bits: 1 no K/V copies, 2 no softmax, 4 no V copies, 8 no Q copies, "
+        "16 no O/LSE stores); wrong results",
     )
     args = p.parse_args()
     from pagedprefill.backends import gluon_sm90

@@ -587,8 +587,9 @@ if gluon is not None:
             # this warpgroup's Q rows -> its own slot of q_smem, once all its warps are past the
             # previous item's GEMMs
             gl.thread_barrier()
-            _load_q_async(q_sub, q1_sub, w, qargs, R0, GROUP, SUB_M, DQ0, DQ1)
-            async_copy.wait_group(0)
+            if (DBG & 8) == 0:
+                _load_q_async(q_sub, q1_sub, w, qargs, R0, GROUP, SUB_M, DQ0, DQ1)
+                async_copy.wait_group(0)
             fence_async_shared()
             gl.thread_barrier()
             rows_s = row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, S_L))
@@ -666,11 +667,14 @@ if gluon is not None:
             head_o = kv_head * GROUP + rows_o % GROUP
             o_off = (o_start + tok_o).to(gl.int64) * stride_ot + head_o.to(gl.int64) * stride_oh
             d_o = gl.arange(0, DVO, gl.SliceLayout(0, O_L))
-            gl.store(Out + o_off[:, None] + d_o[None, :], o, mask=(tok_o < q_len)[:, None])
+            q_out = q_len
+            if (DBG & 16) != 0:  # diagnostics: every store masked off (the values are still computed)
+                q_out = gl.minimum(q_len, -1 - kv_len)  # (kv_len >= 0, unknown to the compiler)
+            gl.store(Out + o_off[:, None] + d_o[None, :], o, mask=(tok_o < q_out)[:, None])
             if HAS_LSE:
                 head_s = kv_head * GROUP + rows_s % GROUP
                 lse_off = lse_start.to(gl.int64) + tok_s.to(gl.int64) * num_heads_q + head_s
-                gl.store(LSE + lse_off, lse2 * 0.6931471805599453, mask=tok_s < q_len)
+                gl.store(LSE + lse_off, lse2 * 0.6931471805599453, mask=tok_s < q_out)
             r += 1
             item = _take_item(r, items)
 
@@ -1073,7 +1077,8 @@ class Config:
 DEFAULT = Config()
 _ENV_KEYS = {f.name for f in fields(Config)}
 # Benchmark diagnostics only, never for results: bit 0 skips the K/V copies, bit 1 the softmax,
-# bit 2 the V copies (so the pipeline's compute-only and load-only speeds can be measured).
+# bit 2 the V copies, bit 3 the Q copies, bit 4 the O / LSE stores (so the pipeline's compute-only
+# and load-only speeds and the per-item costs can be measured).
 DIAGNOSTIC_SKIP = 0
 
 
