@@ -45,6 +45,7 @@ def test_config_env_knobs(monkeypatch):
         ("chunk=-1", "chunk must be >= 0"),
         ("own_rows=2", "own_rows must be 0 or 1"),
         ("dynamic=2", "dynamic must be 0 or 1"),
+        ("q_tma=2", "q_tma must be 0 or 1"),
     ):
         monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", bad)
         with pytest.raises(ValueError, match=msg):
@@ -216,7 +217,9 @@ _AOT = textwrap.dedent(
 WIDE = "," + ",".join(f"{k}={v}" for k, v in gs.WIDE.items())  # 128 x 128 tiles, 2 consumers
 
 
-@pytest.mark.parametrize("tma, knobs", [(0, ""), (1, ""), (0, ",own_rows=1"), (1, ",own_rows=1"), (1, WIDE)])
+@pytest.mark.parametrize(
+    "tma, knobs", [(0, ""), (1, ""), (0, ",own_rows=1"), (1, ",own_rows=1"), (1, WIDE), (1, ",q_tma=1")]
+)
 def test_compiles_for_sm90(tmp_path, tma, knobs):
     specs = [
         (128, 16, True, "bfloat16"),
@@ -450,6 +453,43 @@ def test_gpu_random_grid_large_scores(seed, monkeypatch):
     params = gluon_params(seed)
     params["scale"] = (None, 0.3, 1.0, 2.0)[seed % 4]
     check_forced(seed, params)
+
+
+def test_q_tma_descriptor_only_where_its_boxes_fit():
+    """Knob q_tma: a 3-D view [tokens, heads, Dqk] of q with boxes of [64 / G, G, 64] (a 64-row
+    slot's 64-column tile) for Dqk 64 / 128 and GQA groups dividing 64; None elsewhere."""
+    on = dataclasses.replace(gs.DEFAULT, q_tma=1)
+
+    def desc(cfg=on, **kw):
+        base = dict(lens_q=[5, 7], lens_kv=[9, 20], hq=8, hkv=2, dqk=128, page_size=16, dtype=torch.float16)
+        case = make_case(1, **{**base, **kw})
+        return gs._q_tma_desc(direct_batch(case), cfg), case
+
+    d, case = desc()
+    q = case.kwargs["q"]
+    assert (
+        d.block_shape == [16, 4, 64]
+        and list(d.shape) == list(q.shape)
+        and list(d.strides) == list(q.stride())
+    )
+    assert desc(hq=8, hkv=8, dqk=64)[0].block_shape == [64, 1, 64]
+    assert desc(hq=16, hkv=2)[0].block_shape == [8, 8, 64]
+    assert desc(cfg=gs.DEFAULT)[0] is None  # knob off
+    assert desc(hq=6, hkv=2)[0] is None  # G = 3 does not divide 64
+    assert desc(dqk=192, dvo=128)[0] is None  # two column parts: not served
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(1200, 1216))
+def test_gpu_random_grid_q_tma(seed, monkeypatch):
+    """Knob q_tma=1 (the load warps copy each item's Q by TMA once the consumers are past the last
+    item's last QK GEMM): the forced grid's cases (G = 1, 3, 4, 6, 8; groups 3 and 6 keep the
+    consumers' cp.async) on 1-3-program grids, static rounds or the work counter, 64-key or WIDE
+    tiles, so that Q slots are refilled across many items, some empty."""
+    monkeypatch.setattr(gs, "_num_sms", lambda device, n=1 + seed % 3: n)
+    tiles = ("", WIDE)[seed // 3 % 2]
+    monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", f"q_tma=1,dynamic={seed % 2}{tiles}")
+    check_forced(seed, gluon_params(seed))
 
 
 @pytest.mark.gpu

@@ -250,6 +250,30 @@ if gluon is not None:
         return item
 
     @gluon.jit
+    def _issue_q(
+        q_desc, qload, r, row0, q_start, kv_head, GROUP: gl.constexpr, NC: gl.constexpr, DBG: gl.constexpr
+    ):
+        """Load warps (``Config.q_tma``): round r's Q rows, ``NC`` slots of 64 rows (``64 / GROUP``
+        tokens x ``GROUP`` heads), as bulk-tensor copies of ``[64 / GROUP, GROUP, 64]`` boxes of the
+        3-D view ``[tokens, heads, Dqk]`` of q, once every consumer is past round r-1's last QK GEMM
+        (``q_empty``); they complete on ``q_full``. A box is the 64-column tile of a slot (128-byte
+        rows, the same swizzled bytes as a 2-D box). Rows past the sequence read other tokens or
+        zeros (past q's end); their results are never stored."""
+        q_smem, q_full, q_empty = qload
+        DQ0: gl.constexpr = q_smem.shape[2]
+        mbarrier.wait(q_empty, (r & 1) ^ 1)
+        if (DBG & 8) != 0:  # diagnostics: no Q copies
+            mbarrier.arrive(q_full)
+        else:
+            mbarrier.expect(q_full, NC * 64 * DQ0 * 2)
+            for ci in gl.static_range(NC):
+                for h in gl.static_range(DQ0 // 64):
+                    dst = q_smem.index(ci).slice(h * 64, 64, dim=1)
+                    dst = dst._reinterpret(q_smem.dtype, [64 // GROUP, GROUP, 64], q_desc.layout)
+                    tok = q_start + (row0 + ci * 64) // GROUP
+                    tma.async_copy_global_to_shared(q_desc, [tok, kv_head * GROUP, h * 64], q_full, dst)
+
+    @gluon.jit
     def _key_range(
         r_lo,
         q_len,
@@ -344,6 +368,7 @@ if gluon is not None:
         k_desc,
         k1_desc,
         v_desc,
+        q_desc,
         tma_ints,
         PAGE_SIZE: gl.constexpr,
         BLOCK_N: gl.constexpr,
@@ -360,6 +385,7 @@ if gluon is not None:
         GROUP: gl.constexpr,
         BLOCK_M: gl.constexpr,
         CAUSAL: gl.constexpr,
+        Q_TMA: gl.constexpr,
     ):
         """Load warps: fill stage c % STAGES with the program's c-th key tile (counted across its work
         items) once every consumer released it.
@@ -369,7 +395,7 @@ if gluon is not None:
         bulk-tensor copies of PAGE_BOX rows each, completing on the barrier's byte count; the tile
         that crosses kv_len is gathered with cp.async (rows past the keys zero-filled, so stale
         cache slots never reach the PV GEMM) and signalled once all load threads' copies landed."""
-        k_smem, k1_smem, v_smem, kv_full, kv_empty, total, items = args
+        k_smem, k1_smem, v_smem, kv_full, kv_empty, total, items, qload = args
         K, V, num_pages = gather[0], gather[1], gather[2]
         k_page_rows, k_head_off, v_page_rows, v_head_off = tma_ints
         c = gl.program_id(0) * 0  # tiles this program has loaded so far
@@ -379,7 +405,10 @@ if gluon is not None:
             if items[4] != 0:
                 _post_item(item, r, items, LOAD_WARPS)
             w = _work_item(item, sched, GROUP, PAGE_SIZE, BLOCK_M, BLOCK_N, CAUSAL, False)
-            kv_head, _, _, kv_len, _, _, _, BT_row, k_start, v_start, hi, _, n_tiles = w
+            kv_head, row0, _, kv_len, q_start, _, _, BT_row, k_start, v_start, hi, _, n_tiles = w
+            # (Q_TMA: the item's Q goes out once its tile STAGES - 2 has a stage, i.e. once the
+            # consumers are past the last item's last QK GEMM; or after its last tile)
+            q_at = gl.minimum(n_tiles, STAGES - 2)
             g = (
                 K,
                 V,
@@ -398,6 +427,9 @@ if gluon is not None:
             for t in range(n_tiles):
                 s = (c + t) % STAGES
                 mbarrier.wait(kv_empty.index(s), (((c + t) // STAGES) & 1) ^ 1)
+                if Q_TMA:
+                    if t == q_at:
+                        _issue_q(q_desc, qload, r, row0, q_start, kv_head, GROUP, BLOCK_M // 64, DBG)
                 if USE_TMA:
                     if (t + 1) * BLOCK_N <= kv_len:
                         if (DBG & 1) != 0:  # diagnostics: no copies
@@ -466,6 +498,9 @@ if gluon is not None:
                         DBG,
                     )
                     async_copy.mbarrier_arrive(kv_full.index(s), increment_count=False)
+            if Q_TMA:
+                if q_at == n_tiles:
+                    _issue_q(q_desc, qload, r, row0, q_start, kv_head, GROUP, BLOCK_M // 64, DBG)
             c += n_tiles
             r += 1
             item = _claim_item(r, items)
@@ -542,6 +577,7 @@ if gluon is not None:
         PAGE_SIZE: gl.constexpr,
         BLOCK_M: gl.constexpr,
         OWN_ROWS: gl.constexpr,
+        Q_TMA: gl.constexpr,
     ):
         """One consumer warpgroup: rows [row0 + R0, row0 + R0 + SUB_M) of each work item's block."""
         (
@@ -563,6 +599,8 @@ if gluon is not None:
             stride_oh,
             num_heads_q,
             items,
+            q_full,
+            q_empty,
         ) = args
         dtype: gl.constexpr = q_smem.dtype
         S_L: gl.constexpr = gl.NVMMADistributedLayout(
@@ -586,12 +624,15 @@ if gluon is not None:
             kv_head, row0, q_len, kv_len, q_start, o_start, lse_start, _, _, _, _, full, n_tiles = w
             # this warpgroup's Q rows -> its own slot of q_smem, once all its warps are past the
             # previous item's GEMMs
-            gl.thread_barrier()
-            if (DBG & 8) == 0:
-                _load_q_async(q_sub, q1_sub, w, qargs, R0, GROUP, SUB_M, DQ0, DQ1)
-                async_copy.wait_group(0)
-            fence_async_shared()
-            gl.thread_barrier()
+            if Q_TMA:  # (the load warps' copies)
+                mbarrier.wait(q_full, r & 1)
+            else:
+                gl.thread_barrier()
+                if (DBG & 8) == 0:
+                    _load_q_async(q_sub, q1_sub, w, qargs, R0, GROUP, SUB_M, DQ0, DQ1)
+                    async_copy.wait_group(0)
+                fence_async_shared()
+                gl.thread_barrier()
             rows_s = row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, S_L))
             tok_s = rows_s // GROUP
             diag = tok_s + (kv_len - q_len)
@@ -606,12 +647,18 @@ if gluon is not None:
                 # (this warpgroup's rows lie inside the block's: its range is within the block's)
                 _, n_walk, full_own = _key_range(row0 + R0, q_len, kv_len, SUB_M, GROUP, BLOCK_N, CAUSAL)
             alpha = gl.full([SUB_M], 1.0, gl.float32, gl.SliceLayout(1, O_L))
+            if Q_TMA:
+                if n_walk == 0:  # (Q_TMA: the slot is free once this warpgroup's last QK GEMM is done)
+                    mbarrier.arrive(q_empty)
             if n_walk > 0:  # tile 0: nothing to overlap its softmax with yet
                 s0 = c % STAGES
                 mbarrier.wait(kv_full.index(s0), (c // STAGES) & 1)
                 fence_async_shared()
                 s_tok = _qk_async(q_sub, q1_sub, k_smem.index(s0), k1_smem.index(s0), s_zero, DQ1)
                 sc = warpgroup_mma_wait(0, deps=[s_tok])
+                if Q_TMA:
+                    if n_walk == 1:
+                        mbarrier.arrive(q_empty)
                 if full_own > 0:
                     p, m_i, l_i, alpha0 = _softmax(sc, m_i, l_i, qk_scale, 0, diag, kv_len, False, CAUSAL)
                 else:
@@ -630,6 +677,9 @@ if gluon is not None:
                     acc = acc * alpha[:, None]
                 o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
                 sc = warpgroup_mma_wait(1, deps=[s_tok])
+                if Q_TMA:
+                    if j == n_walk - 1:
+                        mbarrier.arrive(q_empty)
                 if (DBG & 2) != 0:
                     p = sc
                 elif j * BLOCK_N < full_own:
@@ -722,6 +772,7 @@ if gluon is not None:
         k_desc,
         k1_desc,
         v_desc,
+        q_desc,
         k_page_rows,
         k_head_off,
         v_page_rows,
@@ -745,6 +796,7 @@ if gluon is not None:
         K_HEAD_ROWS: gl.constexpr,
         V_HEAD_ROWS: gl.constexpr,
         OWN_ROWS: gl.constexpr,
+        Q_TMA: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each (BLOCK_M = 64 * NC); the
@@ -783,6 +835,12 @@ if gluon is not None:
             mbarrier.init(item_full.index(i), count=1)
             mbarrier.init(item_empty.index(i), count=NC)
         items = (COUNTER, item_ids, item_full, item_empty, gl.to_tensor(dynamic))
+        # Q_TMA: the load warps copy each item's Q (q_full, by bytes) once every consumer's last QK
+        # GEMM of the item before is done (q_empty)
+        q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_full, count=1)
+        mbarrier.init(q_empty, count=NC)
         fence_async_shared()
 
         # ints specialised to 1 arrive as constexprs; partitions take tensors
@@ -817,8 +875,10 @@ if gluon is not None:
             gl.to_tensor(stride_oh),
             gl.to_tensor(num_heads_q),
             items,
+            q_full,
+            q_empty,
         )
-        load = (k_smem, k1_smem, v_smem, kv_full, kv_empty, total, items)
+        load = (k_smem, k1_smem, v_smem, kv_full, kv_empty, total, items, (q_smem, q_full, q_empty))
         gather = (
             K,
             V,
@@ -862,6 +922,7 @@ if gluon is not None:
                             PAGE_SIZE,
                             BLOCK_M,
                             OWN_ROWS,
+                            Q_TMA,
                         ),
                     ),
                     (
@@ -883,6 +944,7 @@ if gluon is not None:
                             PAGE_SIZE,
                             BLOCK_M,
                             OWN_ROWS,
+                            Q_TMA,
                         ),
                     ),
                     (
@@ -894,6 +956,7 @@ if gluon is not None:
                             k_desc,
                             k1_desc,
                             v_desc,
+                            q_desc,
                             tma_ints,
                             PAGE_SIZE,
                             BLOCK_N,
@@ -910,6 +973,7 @@ if gluon is not None:
                             GROUP,
                             BLOCK_M,
                             CAUSAL,
+                            Q_TMA,
                         ),
                     ),
                 ],
@@ -938,6 +1002,7 @@ if gluon is not None:
                             PAGE_SIZE,
                             BLOCK_M,
                             OWN_ROWS,
+                            Q_TMA,
                         ),
                     ),
                     (
@@ -959,6 +1024,7 @@ if gluon is not None:
                             PAGE_SIZE,
                             BLOCK_M,
                             OWN_ROWS,
+                            Q_TMA,
                         ),
                     ),
                     (
@@ -980,6 +1046,7 @@ if gluon is not None:
                             PAGE_SIZE,
                             BLOCK_M,
                             OWN_ROWS,
+                            Q_TMA,
                         ),
                     ),
                     (
@@ -991,6 +1058,7 @@ if gluon is not None:
                             k_desc,
                             k1_desc,
                             v_desc,
+                            q_desc,
                             tma_ints,
                             PAGE_SIZE,
                             BLOCK_N,
@@ -1007,6 +1075,7 @@ if gluon is not None:
                             GROUP,
                             BLOCK_M,
                             CAUSAL,
+                            Q_TMA,
                         ),
                     ),
                 ],
@@ -1068,6 +1137,10 @@ class Config:
     # the programs that share K/V in step, so its tiles stay in L2). A runtime argument; `config`
     # turns it off for max_q <= 1024 and for max_kv >= 4 max_q
     dynamic: int = 1
+    # 1: the load warps copy each item's Q by TMA, issued as soon as the consumers are past the last
+    # item's last QK GEMM (Dqk 64 / 128, GQA group dividing 64, q 16-byte aligned; else cp.async
+    # by the consumers at the item's start); compiled, not yet run on a GPU
+    q_tma: int = 0
 
     @property
     def BLOCK_M(self) -> int:
@@ -1141,6 +1214,8 @@ def config(batch: PrefillBatch | None = None) -> Config:
         why = f"own_rows must be 0 or 1, got {cfg.own_rows}"
     elif cfg.dynamic not in (0, 1):
         why = f"dynamic must be 0 or 1, got {cfg.dynamic}"
+    elif cfg.q_tma not in (0, 1):
+        why = f"q_tma must be 0 or 1, got {cfg.q_tma}"
     if why:
         raise ValueError(f"PAGEDPREFILL_GLUON_CONFIG: {why}")
     return cfg
@@ -1204,6 +1279,17 @@ def _tma_plan(batch: PrefillBatch, cfg: Config):
     return (box, *kv, k1)
 
 
+def _q_tma_desc(batch: PrefillBatch, cfg: Config):
+    """The descriptor of q's 3-D view ``[tokens, heads, Dqk]`` for ``Config.q_tma``'s boxes of
+    ``[64 / G, G, 64]``, or None where they do not apply (knob off, Dqk 192, a GQA group that does not
+    divide 64, q not 16-byte aligned)."""
+    q, g = batch.q, batch.group_size
+    if not cfg.q_tma or batch.head_dim_qk not in (64, 128) or 64 % g or q.data_ptr() % 16:
+        return None
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+    return TensorDescriptor(q, list(q.shape), list(q.stride()), [64 // g, g, 64], layout)
+
+
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -1250,6 +1336,7 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
         tma_ints = (k_tma[1], k_tma[2], v_tma[1], v_tma[2])
     else:
         tma_ints = (0, 0, 0, 0)
+    q_desc = _q_tma_desc(batch, cfg)
     total = hkv * bsz * n_m
     grid = total
     if cfg.persistent and batch.device.type == "cuda":  # (CPU: compile-only tests)
@@ -1284,6 +1371,7 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
         k_tma[0] if tma_plan else None,
         k1_desc if tma_plan else None,
         v_tma[0] if tma_plan else None,
+        q_desc,
         *tma_ints,
     )
     kwargs = dict(
@@ -1306,6 +1394,7 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
         K_HEAD_ROWS=bool(tma_plan and k_tma[3]),
         V_HEAD_ROWS=bool(tma_plan and v_tma[3]),
         OWN_ROWS=bool(cfg.own_rows),
+        Q_TMA=q_desc is not None,
         num_warps=4,
     )
     return [(_attention_kernel, (grid,), args, kwargs)]
