@@ -29,7 +29,10 @@ def profile(name: str, case: dict, be: str) -> None:
     module = api._select_backend(be, batch)
     api._fill_metadata(batch, module)
     module.run(batch)
-    stages = {  # the later stages reuse this batch's resolved plan (cached in batch.extras)
+    # the later stages reuse this batch's resolved plan (cached in batch.extras); host time only:
+    # "backend run" relaunches without rewriting the metadata, so a Gluon launch on the work-counter
+    # schedule (max_q > 1024) finds the counter spent and does no device work after the first
+    stages = {
         "public call": call,
         "_normalise": lambda: api._normalise(**case),
         "_select_backend": lambda: api._select_backend(be, batch),

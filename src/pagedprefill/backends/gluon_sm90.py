@@ -251,18 +251,28 @@ if gluon is not None:
 
     @gluon.jit
     def _issue_q(
-        q_desc, qload, r, row0, q_start, kv_head, GROUP: gl.constexpr, NC: gl.constexpr, DBG: gl.constexpr
+        q_desc,
+        qload,
+        r,
+        row0,
+        q_start,
+        kv_head,
+        n_tiles,
+        GROUP: gl.constexpr,
+        NC: gl.constexpr,
+        DBG: gl.constexpr,
     ):
         """Load warps (``Config.q_tma``): round r's Q rows, ``NC`` slots of 64 rows (``64 / GROUP``
         tokens x ``GROUP`` heads), as bulk-tensor copies of ``[64 / GROUP, GROUP, 64]`` boxes of the
         3-D view ``[tokens, heads, Dqk]`` of q, once every consumer is past round r-1's last QK GEMM
         (``q_empty``); they complete on ``q_full``. A box is the 64-column tile of a slot (128-byte
         rows, the same swizzled bytes as a 2-D box). Rows past the sequence read other tokens or
-        zeros (past q's end); their results are never stored."""
+        zeros (past q's end); their results are never stored. An item without key tiles is
+        signalled without copies (no consumer reads its Q)."""
         q_smem, q_full, q_empty = qload
         DQ0: gl.constexpr = q_smem.shape[2]
-        mbarrier.wait(q_empty, (r & 1) ^ 1)
-        if (DBG & 8) != 0:  # diagnostics: no Q copies
+        mbarrier.wait(q_empty, (r & 1) ^ 1)  # (also for empty items: no phase may run ahead)
+        if (n_tiles == 0) | ((DBG & 8) != 0):  # (DBG bit 3, diagnostics: no Q copies)
             mbarrier.arrive(q_full)
         else:
             mbarrier.expect(q_full, NC * 64 * DQ0 * 2)
@@ -406,8 +416,9 @@ if gluon is not None:
                 _post_item(item, r, items, LOAD_WARPS)
             w = _work_item(item, sched, GROUP, PAGE_SIZE, BLOCK_M, BLOCK_N, CAUSAL, False)
             kv_head, row0, _, kv_len, q_start, _, _, BT_row, k_start, v_start, hi, _, n_tiles = w
-            # (Q_TMA: the item's Q goes out once its tile STAGES - 2 has a stage, i.e. once the
-            # consumers are past the last item's last QK GEMM; or after its last tile)
+            # (Q_TMA: the item's Q goes out once its tile STAGES - 2 has a stage: the consumers have
+            # then released the tile two before it, so when the last item had >= 2 tiles they are
+            # past its last QK GEMM and q_empty does not stall; or after the item's last tile)
             q_at = gl.minimum(n_tiles, STAGES - 2)
             g = (
                 K,
@@ -429,7 +440,7 @@ if gluon is not None:
                 mbarrier.wait(kv_empty.index(s), (((c + t) // STAGES) & 1) ^ 1)
                 if Q_TMA:
                     if t == q_at:
-                        _issue_q(q_desc, qload, r, row0, q_start, kv_head, GROUP, BLOCK_M // 64, DBG)
+                        _issue_q(q_desc, qload, r, row0, q_start, kv_head, n_tiles, GROUP, BLOCK_M // 64, DBG)
                 if USE_TMA:
                     if (t + 1) * BLOCK_N <= kv_len:
                         if (DBG & 1) != 0:  # diagnostics: no copies
@@ -500,7 +511,7 @@ if gluon is not None:
                     async_copy.mbarrier_arrive(kv_full.index(s), increment_count=False)
             if Q_TMA:
                 if q_at == n_tiles:
-                    _issue_q(q_desc, qload, r, row0, q_start, kv_head, GROUP, BLOCK_M // 64, DBG)
+                    _issue_q(q_desc, qload, r, row0, q_start, kv_head, n_tiles, GROUP, BLOCK_M // 64, DBG)
             c += n_tiles
             r += 1
             item = _claim_item(r, items)
@@ -625,6 +636,8 @@ if gluon is not None:
             # this warpgroup's Q rows -> its own slot of q_smem, once all its warps are past the
             # previous item's GEMMs
             if Q_TMA:  # (the load warps' copies)
+                # (every mbarrier.arrive of a warpgroup here is lowered as a bar.sync of its 128
+                # threads and one elected arrive: no warp can lag a round behind the arrival)
                 mbarrier.wait(q_full, r & 1)
             else:
                 gl.thread_barrier()
@@ -837,10 +850,14 @@ if gluon is not None:
         items = (COUNTER, item_ids, item_full, item_empty, gl.to_tensor(dynamic))
         # Q_TMA: the load warps copy each item's Q (q_full, by bytes) once every consumer's last QK
         # GEMM of the item before is done (q_empty)
-        q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_full, count=1)
-        mbarrier.init(q_empty, count=NC)
+        if Q_TMA:
+            q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(q_full, count=1)
+            mbarrier.init(q_empty, count=NC)
+        else:  # (unused)
+            q_full = kv_full.index(0)
+            q_empty = kv_empty.index(0)
         fence_async_shared()
 
         # ints specialised to 1 arrive as constexprs; partitions take tensors
