@@ -26,18 +26,14 @@ for s in $steps; do
     timeline) timeout 150 python3 scripts/overhead_timeline.py 2>&1 | grep -v -i warn | tee "$OUT/timeline.log" ;;
     gluon) timeout 420 python3 -m pytest -q -x -m gpu tests/test_gluon_sm90.py 2>&1 | tee "$OUT/gluon-tests.log" | tail -5 ;;
     pending)  # GPU tests written after the last device run (docs/triton_kernel.md, "not yet run")
-           timeout 150 python3 -m pytest -q -x -m gpu tests/test_gluon_sm90.py -k "q_tma" 2>&1 \
+           timeout 150 python3 -m pytest -q -x -m gpu tests/test_gluon_sm90.py -k "o_stage" 2>&1 \
              | tee "$OUT/pending-tests.log" | tail -5 ;;
-    probe) WIDE=g.consumers=2,g.BLOCK_N=128,g.consumer_regs=224,g.load_regs=56  # 128 x 128 tiles
-           W=llama8b_b1_q16k,llama8b_b4_q4k,llama8b_b16_q1k,chunked_b8_q512_p7680,varlen_b32,llama70b_b8_q2k
+    probe) W=llama8b_b1_q16k,llama8b_b4_q4k,llama8b_b16_q1k,chunked_b8_q512_p7680,varlen_b32,llama70b_b8_q2k
            W=$W,noncausal_b8_q2k,page1_b16_q1k,page64_b16_q1k,mla192_b4_q4k
            W=$W,llama8b_b4_q4k:head_dim_qk=64:head_dim_vo=64
-           # the Gluon kernel's defaults (shape rule) and fixed knobs (env: no shape rule), beside cuDNN;
-           # with q_tma=1 in the rule's four (tiles, schedule) choices: 3 consumers static (prompts
-           # <= 1k: b16_q1k, page1) or dynamic (q16k, b4_q4k, varlen, 70b, D 64), WIDE static
-           # (page64, chunked) or dynamic (noncausal); mla192 (Dqk 192) keeps cp.async for Q
+           # the Gluon kernel's shape rule, and knobs on top of it (g.rule=1), beside cuDNN
            timeout 400 python3 scripts/tune_triton.py --graph --workloads $W \
-             --configs "gluon=1;gluon=1,g.dynamic=0,g.q_tma=1;gluon=1,g.q_tma=1;gluon=1,$WIDE,g.dynamic=0,g.q_tma=1;gluon=1,$WIDE,g.q_tma=1" \
+             --configs "gluon=1;gluon=1,g.rule=1,g.q_tma=1;gluon=1,g.rule=1,g.o_stage=1;gluon=1,g.rule=1,g.o_stage=1,g.q_tma=1" \
              2>&1 | grep -A70 SUMMARY | tee "$OUT/gluon-probe.log" ;;
     diag)  # per-item costs of the Gluon kernel: no Q copies (8), no O/LSE stores (16), neither (24); wrong results
            W=llama8b_b16_q1k,page64_b16_q1k,llama70b_b8_q2k,llama8b_b4_q4k,llama8b_b1_q16k

@@ -8,7 +8,8 @@ A workload is a name from workloads.json, optionally with ``:key=value`` overrid
 Each config is ``BLOCK_M,BLOCK_N,num_warps,num_stages[,lazy[,num_splits]]`` or ``key=value`` pairs
 (e.g. ``gluon=0`` for the Triton kernel, ``gluon=1`` (the default) for the Gluon kernel where it
 serves; the Gluon kernel's own knobs as ``g.<knob>``, e.g. ``gluon=1,g.chunk=8``, replace
-``PAGEDPREFILL_GLUON_CONFIG`` for that config, not merged with it); "default" means the
+``PAGEDPREFILL_GLUON_CONFIG`` for that config, not merged with it; ``g.rule=1`` applies them on top
+of the kernel's shape rule instead of ``DEFAULT``); "default" means the
 backend's own choice. Times are do_bench medians (L2 flushed); with --graph the call is captured in a CUDA
 graph first so host overhead is excluded. Every timed output is checked against cuDNN's.
 """
@@ -101,7 +102,9 @@ def main() -> int:
                 # triton knobs as 2 letters + value (gl1: gluon=1), Gluon knobs as up to 6 letters
                 label = ",".join(f"{k[2:8] if k.startswith('g.') else k[:2]}{v}" for k, v in cfg.items())
             cfg = cfg or {}
-            knobs = ",".join(f"{k[2:]}={v}" for k, v in cfg.items() if k.startswith("g."))
+            knobs = ",".join(f"{k[2:]}={v}" for k, v in cfg.items() if k.startswith("g.") and k != "g.rule")
+            if cfg.get("g.rule"):
+                knobs = "+" + knobs
             os.environ["PAGEDPREFILL_GLUON_CONFIG"] = knobs or gluon_env
             cfg = {k: v for k, v in cfg.items() if not k.startswith("g.")}
             try:

@@ -589,6 +589,7 @@ if gluon is not None:
         BLOCK_M: gl.constexpr,
         OWN_ROWS: gl.constexpr,
         Q_TMA: gl.constexpr,
+        O_STAGE: gl.constexpr,
     ):
         """One consumer warpgroup: rows [row0 + R0, row0 + R0 + SUB_M) of each work item's block."""
         (
@@ -660,7 +661,7 @@ if gluon is not None:
                 # (this warpgroup's rows lie inside the block's: its range is within the block's)
                 _, n_walk, full_own = _key_range(row0 + R0, q_len, kv_len, SUB_M, GROUP, BLOCK_N, CAUSAL)
             alpha = gl.full([SUB_M], 1.0, gl.float32, gl.SliceLayout(1, O_L))
-            if Q_TMA:
+            if Q_TMA and not O_STAGE:
                 if n_walk == 0:  # (Q_TMA: the slot is free once this warpgroup's last QK GEMM is done)
                     mbarrier.arrive(q_empty)
             if n_walk > 0:  # tile 0: nothing to overlap its softmax with yet
@@ -669,7 +670,7 @@ if gluon is not None:
                 fence_async_shared()
                 s_tok = _qk_async(q_sub, q1_sub, k_smem.index(s0), k1_smem.index(s0), s_zero, DQ1)
                 sc = warpgroup_mma_wait(0, deps=[s_tok])
-                if Q_TMA:
+                if Q_TMA and not O_STAGE:
                     if n_walk == 1:
                         mbarrier.arrive(q_empty)
                 if full_own > 0:
@@ -690,7 +691,7 @@ if gluon is not None:
                     acc = acc * alpha[:, None]
                 o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
                 sc = warpgroup_mma_wait(1, deps=[s_tok])
-                if Q_TMA:
+                if Q_TMA and not O_STAGE:
                     if j == n_walk - 1:
                         mbarrier.arrive(q_empty)
                 if (DBG & 2) != 0:
@@ -725,15 +726,31 @@ if gluon is not None:
             inv_l = gl.where(has_key, 1.0 / gl.where(has_key, l_i, 1.0), 0.0)
             lse2 = gl.where(has_key, m_i + gl.log2(gl.where(has_key, l_i, 1.0)), float("-inf"))
             o = (acc * gl.convert_layout(inv_l, gl.SliceLayout(1, O_L))[:, None]).to(Out.dtype.element_ty)
-            rows_o = row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, O_L))
-            tok_o = rows_o // GROUP
-            head_o = kv_head * GROUP + rows_o % GROUP
-            o_off = (o_start + tok_o).to(gl.int64) * stride_ot + head_o.to(gl.int64) * stride_oh
-            d_o = gl.arange(0, DVO, gl.SliceLayout(0, O_L))
             q_out = q_len
             if (DBG & 16) != 0:  # diagnostics: every store masked off (the values are still computed)
                 q_out = gl.minimum(q_len, -1 - kv_len)  # (kv_len >= 0, unknown to the compiler)
-            gl.store(Out + o_off[:, None] + d_o[None, :], o, mask=(tok_o < q_out)[:, None])
+            if O_STAGE:
+                # through this warpgroup's Q slot (its last QK GEMM is done) into rows of 16-byte
+                # vectors: each warp stores whole 2^k-byte row segments instead of 16-byte pieces
+                # of 8 rows (the wgmma accumulator's layout)
+                gl.thread_barrier()
+                q_sub.store(o)
+                gl.thread_barrier()
+                TPW_D: gl.constexpr = DVO // 8
+                ST_L: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [4, 1], [1, 0])
+                o_st = q_sub.load(ST_L)
+                if Q_TMA:  # (the slot is the load warps' again; an arrive first syncs the warpgroup)
+                    mbarrier.arrive(q_empty)
+                rows_o = row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, ST_L))
+                d_o = gl.arange(0, DVO, gl.SliceLayout(0, ST_L))
+            else:
+                o_st = o
+                rows_o = row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, O_L))
+                d_o = gl.arange(0, DVO, gl.SliceLayout(0, O_L))
+            tok_o = rows_o // GROUP
+            head_o = kv_head * GROUP + rows_o % GROUP
+            o_off = (o_start + tok_o).to(gl.int64) * stride_ot + head_o.to(gl.int64) * stride_oh
+            gl.store(Out + o_off[:, None] + d_o[None, :], o_st, mask=(tok_o < q_out)[:, None])
             if HAS_LSE:
                 head_s = kv_head * GROUP + rows_s % GROUP
                 lse_off = lse_start.to(gl.int64) + tok_s.to(gl.int64) * num_heads_q + head_s
@@ -810,6 +827,7 @@ if gluon is not None:
         V_HEAD_ROWS: gl.constexpr,
         OWN_ROWS: gl.constexpr,
         Q_TMA: gl.constexpr,
+        O_STAGE: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each (BLOCK_M = 64 * NC); the
@@ -940,6 +958,7 @@ if gluon is not None:
                             BLOCK_M,
                             OWN_ROWS,
                             Q_TMA,
+                            O_STAGE,
                         ),
                     ),
                     (
@@ -962,6 +981,7 @@ if gluon is not None:
                             BLOCK_M,
                             OWN_ROWS,
                             Q_TMA,
+                            O_STAGE,
                         ),
                     ),
                     (
@@ -1020,6 +1040,7 @@ if gluon is not None:
                             BLOCK_M,
                             OWN_ROWS,
                             Q_TMA,
+                            O_STAGE,
                         ),
                     ),
                     (
@@ -1042,6 +1063,7 @@ if gluon is not None:
                             BLOCK_M,
                             OWN_ROWS,
                             Q_TMA,
+                            O_STAGE,
                         ),
                     ),
                     (
@@ -1064,6 +1086,7 @@ if gluon is not None:
                             BLOCK_M,
                             OWN_ROWS,
                             Q_TMA,
+                            O_STAGE,
                         ),
                     ),
                     (
@@ -1154,10 +1177,16 @@ class Config:
     # the programs that share K/V in step, so its tiles stay in L2). A runtime argument; `config`
     # turns it off for max_q <= 1024 and for max_kv >= 4 max_q
     dynamic: int = 1
-    # 1: the load warps copy each item's Q by TMA, issued as soon as the consumers are past the last
-    # item's last QK GEMM (Dqk 64 / 128, GQA group dividing 64, q 16-byte aligned; else cp.async
-    # by the consumers at the item's start); compiled, not yet run on a GPU
-    q_tma: int = 0
+    # 1: the load warps copy each item's Q by TMA (Dqk 64 / 128, GQA group dividing 64, q 16-byte
+    # aligned; else cp.async by the consumers at the item's start), issued once the consumers hand
+    # the slot back: past the item's last QK GEMM, or with o_stage once O is read back from it
+    q_tma: int = 1
+    # 1: the epilogue stages O through the warpgroup's Q slot and stores whole rows of 16-byte
+    # vectors (out in q's dtype, Dqk = Dvo; else straight from the wgmma accumulator layout, 16-byte
+    # pieces of 8 rows per warp store). With q_tma, measured on the H200 against neither: +10%
+    # b16_q1k, +9% page1, +6% llama70b, +4% page64 and non-causal, +2% q16k, chunked and D 64
+    # level, varlen -1% (bench/results/h200-ostage-probe.log)
+    o_stage: int = 1
 
     @property
     def BLOCK_M(self) -> int:
@@ -1192,14 +1221,17 @@ def config(batch: PrefillBatch | None = None) -> Config:
     """``DEFAULT``, with ``WIDE`` where :func:`prefers_wide` says so for ``batch`` and static rounds
     (``dynamic=0``) for short prompts (``max_q <= 1024``) and chunked prefill (``max_kv >= 4 * max_q``);
     ``PAGEDPREFILL_GLUON_CONFIG="stages=4,consumers=2,..."`` replaces that choice with ``DEFAULT`` and
-    its knobs applied."""
+    its knobs applied; with a leading ``+`` (``"+q_tma=1"``) the knobs apply on top of the choice."""
     raw = os.environ.get("PAGEDPREFILL_GLUON_CONFIG", "").strip()
-    if not raw:
-        if batch is None:
-            return DEFAULT
-        cfg = replace(DEFAULT, **WIDE) if prefers_wide(batch) else DEFAULT
-        static = batch.max_q <= 1024 or batch.max_kv >= 4 * batch.max_q
-        return replace(cfg, dynamic=0) if static else cfg
+    base = DEFAULT
+    if not raw or raw.startswith("+"):
+        if batch is not None:
+            base = replace(DEFAULT, **WIDE) if prefers_wide(batch) else DEFAULT
+            if batch.max_q <= 1024 or batch.max_kv >= 4 * batch.max_q:
+                base = replace(base, dynamic=0)
+        raw = raw[1:].strip()
+        if not raw:
+            return base
     over = {}
     for item in raw.split(","):
         key, _, val = item.partition("=")
@@ -1209,7 +1241,7 @@ def config(batch: PrefillBatch | None = None) -> Config:
                 f"PAGEDPREFILL_GLUON_CONFIG: unknown knob {key!r}; expected one of {sorted(_ENV_KEYS)}"
             )
         over[key] = int(val)
-    cfg = replace(DEFAULT, **over)
+    cfg = replace(base, **over)
     why = None
     if cfg.consumers not in (2, 3):
         why = f"consumers must be 2 or 3, got {cfg.consumers}"
@@ -1233,6 +1265,8 @@ def config(batch: PrefillBatch | None = None) -> Config:
         why = f"dynamic must be 0 or 1, got {cfg.dynamic}"
     elif cfg.q_tma not in (0, 1):
         why = f"q_tma must be 0 or 1, got {cfg.q_tma}"
+    elif cfg.o_stage not in (0, 1):
+        why = f"o_stage must be 0 or 1, got {cfg.o_stage}"
     if why:
         raise ValueError(f"PAGEDPREFILL_GLUON_CONFIG: {why}")
     return cfg
@@ -1299,9 +1333,9 @@ def _tma_plan(batch: PrefillBatch, cfg: Config):
 def _q_tma_desc(batch: PrefillBatch, cfg: Config):
     """The descriptor of q's 3-D view ``[tokens, heads, Dqk]`` for ``Config.q_tma``'s boxes of
     ``[64 / G, G, 64]``, or None where they do not apply (knob off, Dqk 192, a GQA group that does not
-    divide 64, q not 16-byte aligned)."""
+    divide 64, q not 16-byte aligned, no query tokens)."""
     q, g = batch.q, batch.group_size
-    if not cfg.q_tma or batch.head_dim_qk not in (64, 128) or 64 % g or q.data_ptr() % 16:
+    if not cfg.q_tma or batch.head_dim_qk not in (64, 128) or 64 % g or q.data_ptr() % 16 or not q.shape[0]:
         return None
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
     return TensorDescriptor(q, list(q.shape), list(q.stride()), [64 // g, g, 64], layout)
@@ -1412,6 +1446,7 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
         V_HEAD_ROWS=bool(tma_plan and v_tma[3]),
         OWN_ROWS=bool(cfg.own_rows),
         Q_TMA=q_desc is not None,
+        O_STAGE=bool(cfg.o_stage and out.dtype == q.dtype and batch.head_dim_qk == batch.head_dim_vo),
         num_warps=4,
     )
     return [(_attention_kernel, (grid,), args, kwargs)]
