@@ -418,7 +418,9 @@ if gluon is not None:
             kv_head, row0, _, kv_len, q_start, _, _, BT_row, k_start, v_start, hi, _, n_tiles = w
             # (Q_TMA: the item's Q goes out once its tile STAGES - 2 has a stage: the consumers have
             # then released the tile two before it, so when the last item had >= 2 tiles they are
-            # past its last QK GEMM and q_empty does not stall; or after the item's last tile)
+            # past its last QK GEMM; with O_STAGE they hand the slots back only after the last
+            # item's epilogue read O from them, so q_empty may wait for that; or after the item's
+            # last tile)
             q_at = gl.minimum(n_tiles, STAGES - 2)
             g = (
                 K,
@@ -740,6 +742,7 @@ if gluon is not None:
                 ST_L: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [4, 1], [1, 0])
                 o_st = q_sub.load(ST_L)
                 if Q_TMA:  # (the slot is the load warps' again; an arrive first syncs the warpgroup)
+                    fence_async_shared()  # (O's generic-proxy writes before the next Q's TMA writes)
                     mbarrier.arrive(q_empty)
                 rows_o = row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, ST_L))
                 d_o = gl.arange(0, DVO, gl.SliceLayout(0, ST_L))
