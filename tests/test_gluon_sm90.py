@@ -215,7 +215,13 @@ _AOT = textwrap.dedent(
             overlap = "wgmma.wait_group.sync.aligned 1" in ptx
             regs = sorted(set(re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)))
             bulk = ptx.count("cp.async.bulk.tensor")
-            print("RESULT", d, page, c.metadata.shared, spill, overlap, ",".join(regs), bulk, flush=True)
+            stsm = ptx.count("stmatrix")
+            # o_stage with q_tma: O read back from the slot, a proxy fence, then the q_empty arrive
+            handback = len(re.findall(
+                r"ld\\.shared\\.v4(?:(?!st\\.global|stmatrix|wgmma)[\\s\\S])*?fence\\.proxy\\.async"
+                r"(?:(?!st\\.global|ld\\.shared|wgmma)[\\s\\S])*?mbarrier\\.arrive", ptx))
+            print("RESULT", d, page, c.metadata.shared, spill, overlap, ",".join(regs), bulk, stsm, handback,
+                  flush=True)
     """
 )
 
@@ -253,9 +259,13 @@ def test_compiles_for_sm90(tmp_path, tma, knobs):
     assert len(results) == len(specs), res.stdout
     knob_values = dict(kv.split("=") for kv in knobs.split(",") if kv)
     cfg = dataclasses.replace(gs.DEFAULT, **{k: int(v) for k, v in knob_values.items()})
-    for _, d, page, shared, spill, overlap, regs, bulk in results:
+    for _, d, page, shared, spill, overlap, regs, bulk, stsm, handback in results:
         # TMA copies exactly when asked for: K/V tiles (tma), Q (q_tma: Dqk 64 / 128, G = 4 here)
         assert (int(bulk) > 0) == bool(tma or (cfg.q_tma and d != "192")), (d, page, bulk)
+        # O staged through the Q slots (stmatrix) exactly with o_stage and Dqk = Dvo; with q_tma each
+        # consumer hands its slot back after reading O and a proxy fence
+        assert (int(stsm) > 0) == bool(cfg.o_stage and d != "192"), (d, page, stsm)
+        assert int(handback) == (cfg.consumers if cfg.o_stage and cfg.q_tma and d != "192" else 0), handback
         assert int(shared) <= 227 * 1024, (d, page, shared)
         # the load warps (56 registers) spill hoisted gather addresses on their cp.async path; the
         # consumers do not spill in the key loop (checked in the SASS by hand: docs/triton_kernel.md;
@@ -524,22 +534,30 @@ def test_gpu_random_grid_q_tma(seed, monkeypatch):
 @pytest.mark.parametrize("seed", range(1300, 1316))
 def test_gpu_random_grid_o_stage(seed, monkeypatch):
     """Knob o_stage=1 (the epilogue stages O through the warpgroup's Q slot): the forced grid's cases
-    on 1-3-program grids, with the consumers' own Q copies or q_tma (the slot handed back to the load
-    warps only after O is read back), static rounds or the work counter, 64-key or WIDE tiles; out
-    in fp32 for some seeds (o_data_type: no staging, the direct store)."""
+    on 1-3-program grids; even seeds with q_tma on a GQA group dividing 64 (the slot handed back to
+    the load warps only after O is read back), odd seeds with the consumers' own Q copies; static
+    rounds or the work counter, 64-key or WIDE tiles, own_rows on a quarter (causal); out in fp32 on
+    two seeds (no staging: the direct store)."""
     monkeypatch.setattr(gs, "_num_sms", lambda device, n=1 + seed % 3: n)
+    q_tma, own_rows, fp32_out = seed % 2 == 0, seed % 4 == 3, seed % 8 == 6
     tiles = ("", WIDE)[seed // 4 % 2]
-    knobs = f"o_stage=1,q_tma={seed // 2 % 2},dynamic={seed % 2}{tiles}"
+    knobs = f"o_stage=1,q_tma={int(q_tma)},dynamic={seed // 2 % 2},own_rows={int(own_rows)}{tiles}"
     monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", knobs)
     params = gluon_params(seed)
+    if q_tma:
+        params.update(zip(("hq", "hkv"), random.Random(seed).choice([(4, 4), (8, 2), (16, 2), (32, 8)])))
+    if own_rows:
+        params.update(causal=True)
+    if fp32_out:
+        params.update(with_out=True)
     case = make_case(seed, **params)
-    if seed % 8 == 7:
-        params["with_out"] = True
-        case = make_case(seed, **params)
+    if fp32_out:
         case.kwargs["out"] = poison(torch.empty_like(case.kwargs["out"], dtype=torch.float32))
     batch = direct_batch(case)
     assert gs.unavailable_reason(batch) is None
-    assert gs.launch_plan(batch)[0][3]["O_STAGE"] == (seed % 8 != 7)
+    kwargs = gs.launch_plan(batch)[0][3]
+    assert kwargs["O_STAGE"] == (not fp32_out)
+    assert kwargs["Q_TMA"] == (q_tma and batch.q.shape[0] > 0), (q_tma, batch.group_size)
     out, lse = call(case, gluon=1, num_splits=1)
     check(case, out, lse, atol=atol_for(params["dtype"]), lse_atol=2e-2)
 
