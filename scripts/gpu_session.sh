@@ -36,10 +36,10 @@ for s in $steps; do
              --configs "gluon=1;gluon=1,g.dynamic=0;gluon=1,g.BLOCK_N=32,g.stages=6;gluon=1,g.BLOCK_N=32,g.stages=7;gluon=1,g.rule=1,g.own_rows=1" \
              2>&1 | grep -A70 SUMMARY | tee "$OUT/gluon-probe.log" ;;
     diag)  # per-item costs of the Gluon kernel: no Q copies (8), no O/LSE stores (16), neither (24); wrong results
-           W=llama8b_b16_q1k,page64_b16_q1k,llama70b_b8_q2k,llama8b_b4_q4k,llama8b_b1_q16k
+           W=llama8b_b16_q1k,page64_b16_q1k,llama70b_b8_q2k,llama8b_b4_q4k,llama8b_b1_q16k,mla192_b4_q4k
            for d in 0 8 16 24; do
              timeout 150 python3 scripts/tune_triton.py --graph --gluon-diag $d --workloads $W --configs "gluon=1" \
-               2>&1 | grep -A12 SUMMARY | sed "s/^/diag=$d /" | tee -a "$OUT/gluon-diag.log"
+               2>&1 | grep -A14 SUMMARY | sed "s/^/diag=$d /" | tee -a "$OUT/gluon-diag.log"
            done ;;
     profile) timeout 120 python3 scripts/host_profile.py llama8b_b16_q1k cudnn triton 2>&1 | tee "$OUT/profile.log" | grep -A6 "host us" ;;
     *) echo "unknown step $s" ;;
