@@ -31,9 +31,9 @@ for s in $steps; do
     probe) W=llama8b_b1_q16k,llama8b_b4_q4k,llama8b_b16_q1k,page64_b16_q1k,mla192_b4_q4k,chunked_b8_q512_p7680
            # beside cuDNN: the shape rule; 3 consumers x 64 keys in static rounds for the WIDE shapes
            # (page64, chunked) now that Q comes by TMA and O is staged; for Dqk 192 (3 stages of
-           # 64 keys fit): 32-key tiles in 6 or 7 stages, and own_rows
+           # 64 keys fit): 32-key tiles in 6 or 7 stages, own_rows, and Q by TMA / O staged (dqk192)
            timeout 400 python3 scripts/tune_triton.py --graph --workloads $W \
-             --configs "gluon=1;gluon=1,g.dynamic=0;gluon=1,g.BLOCK_N=32,g.stages=6;gluon=1,g.BLOCK_N=32,g.stages=7;gluon=1,g.rule=1,g.own_rows=1" \
+             --configs "gluon=1;gluon=1,g.dynamic=0;gluon=1,g.BLOCK_N=32,g.stages=6;gluon=1,g.BLOCK_N=32,g.stages=7;gluon=1,g.rule=1,g.own_rows=1;gluon=1,g.rule=1,g.dqk192=1" \
              2>&1 | grep -A70 SUMMARY | tee "$OUT/gluon-probe.log" ;;
     diag)  # per-item costs of the Gluon kernel: no Q copies (8), no O/LSE stores (16), neither (24); wrong results
            W=llama8b_b16_q1k,page64_b16_q1k,llama70b_b8_q2k,llama8b_b4_q4k,llama8b_b1_q16k,mla192_b4_q4k

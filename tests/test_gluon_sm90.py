@@ -47,6 +47,7 @@ def test_config_env_knobs(monkeypatch):
         ("dynamic=2", "dynamic must be 0 or 1"),
         ("q_tma=2", "q_tma must be 0 or 1"),
         ("o_stage=2", "o_stage must be 0 or 1"),
+        ("dqk192=2", "dqk192 must be 0 or 1"),
         ("+q_tma=2", "q_tma must be 0 or 1"),
     ):
         monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", bad)
@@ -240,6 +241,7 @@ WIDE = "," + ",".join(f"{k}={v}" for k, v in gs.WIDE.items())  # 128 x 128 tiles
         (1, ",q_tma=0,o_stage=0"),  # the epilogue and Q copies before o_stage / q_tma
         (1, ",o_stage=0"),
         (0, ",q_tma=0"),  # O staged through a Q slot the consumers refill themselves
+        (1, ",dqk192=1"),  # Q by TMA in two column parts and O staged for Dqk 192 too
     ],
 )
 def test_compiles_for_sm90(tmp_path, tma, knobs):
@@ -261,11 +263,12 @@ def test_compiles_for_sm90(tmp_path, tma, knobs):
     cfg = dataclasses.replace(gs.DEFAULT, **{k: int(v) for k, v in knob_values.items()})
     for _, d, page, shared, spill, overlap, regs, bulk, stsm, handback in results:
         # TMA copies exactly when asked for: K/V tiles (tma), Q (q_tma: Dqk 64 / 128, G = 4 here)
-        assert (int(bulk) > 0) == bool(tma or (cfg.q_tma and d != "192")), (d, page, bulk)
-        # O staged through the Q slots (stmatrix) exactly with o_stage and Dqk = Dvo; with q_tma each
-        # consumer hands its slot back after reading O and a proxy fence
-        assert (int(stsm) > 0) == bool(cfg.o_stage and d != "192"), (d, page, stsm)
-        assert int(handback) == (cfg.consumers if cfg.o_stage and cfg.q_tma and d != "192" else 0), handback
+        staged = d != "192" or bool(cfg.dqk192)  # (Dqk 192 only with knob dqk192)
+        assert (int(bulk) > 0) == bool(tma or (cfg.q_tma and staged)), (d, page, bulk)
+        # O staged through the Q slots (stmatrix) exactly with o_stage and Dqk = Dvo (or dqk192); with
+        # q_tma each consumer hands its slot back after reading O and a proxy fence
+        assert (int(stsm) > 0) == bool(cfg.o_stage and staged), (d, page, stsm)
+        assert int(handback) == (cfg.consumers if cfg.o_stage and cfg.q_tma and staged else 0), handback
         assert int(shared) <= 227 * 1024, (d, page, shared)
         # the load warps (56 registers) spill hoisted gather addresses on their cp.async path; the
         # consumers do not spill in the key loop (checked in the SASS by hand: docs/triton_kernel.md;
@@ -513,7 +516,8 @@ def test_q_tma_descriptor_only_where_its_boxes_fit():
     assert desc(hq=16, hkv=2)[0].block_shape == [8, 8, 64]
     assert desc(cfg=dataclasses.replace(gs.DEFAULT, q_tma=0))[0] is None  # knob off
     assert desc(hq=6, hkv=2)[0] is None  # G = 3 does not divide 64
-    assert desc(dqk=192, dvo=128)[0] is None  # two column parts: not served
+    assert desc(dqk=192, dvo=128)[0] is None  # two column parts: only with knob dqk192
+    assert desc(cfg=dataclasses.replace(on, dqk192=1), dqk=192, dvo=128)[0].block_shape == [16, 4, 64]
     assert desc(lens_q=[0, 0])[0] is None  # no query tokens: a TMA view needs a positive extent
 
 
@@ -638,6 +642,26 @@ def test_gpu_random_grid_mla(seed, monkeypatch):
     params.update(dqk=192, dvo=128, page_size=random.Random(seed).choice([0, 1, 16, 64]))
     if params["kv_layout"] == "interleaved":  # (one K/V buffer needs Dqk = Dvo)
         params["kv_layout"] = random.Random(seed + 1).choice(["nhd", "hnd"])  # (apart from page_size)
+    check_forced(seed, params)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(1400, 1412))
+def test_gpu_random_grid_mla_staged(seed, monkeypatch):
+    """Knob dqk192=1: Dqk 192 / Dvo 128 with Q copied by TMA in 128 + 64 columns (GQA groups dividing
+    64) and O staged through the first part of the Q slot; 1-3-program grids, both schedules."""
+    monkeypatch.setattr(gs, "_num_sms", lambda device, n=1 + seed % 3: n)
+    monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", f"dqk192=1,dynamic={seed % 2}")
+    r = random.Random(seed)
+    params = gluon_params(seed)
+    params.update(dqk=192, dvo=128, page_size=r.choice([0, 1, 16, 64]), with_out=True)
+    params.update(zip(("hq", "hkv"), r.choice([(4, 4), (8, 2), (16, 2), (32, 8)])))
+    if params["kv_layout"] == "interleaved":  # (one K/V buffer needs Dqk = Dvo)
+        params["kv_layout"] = r.choice(["nhd", "hnd"])
+    case = make_case(seed, **params)
+    batch = direct_batch(case)
+    kwargs = gs.launch_plan(batch)[0][3]
+    assert kwargs["O_STAGE"] and kwargs["Q_TMA"] == (batch.q.shape[0] > 0)
     check_forced(seed, params)
 
 

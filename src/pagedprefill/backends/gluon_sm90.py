@@ -260,6 +260,7 @@ if gluon is not None:
         n_tiles,
         GROUP: gl.constexpr,
         NC: gl.constexpr,
+        DQ1: gl.constexpr,
         DBG: gl.constexpr,
     ):
         """Load warps (``Config.q_tma``): round r's Q rows, ``NC`` slots of 64 rows (``64 / GROUP``
@@ -269,19 +270,25 @@ if gluon is not None:
         rows, the same swizzled bytes as a 2-D box). Rows past the sequence read other tokens or
         zeros (past q's end); their results are never stored. An item without key tiles is
         signalled without copies (no consumer reads its Q)."""
-        q_smem, q_full, q_empty = qload
+        q_smem, q1_smem, q_full, q_empty = qload
         DQ0: gl.constexpr = q_smem.shape[2]
         mbarrier.wait(q_empty, (r & 1) ^ 1)  # (also for empty items: no phase may run ahead)
         if (n_tiles == 0) | ((DBG & 8) != 0):  # (DBG bit 3, diagnostics: no Q copies)
             mbarrier.arrive(q_full)
         else:
-            mbarrier.expect(q_full, NC * 64 * DQ0 * 2)
+            mbarrier.expect(q_full, NC * 64 * (DQ0 + DQ1) * 2)
             for ci in gl.static_range(NC):
+                tok = q_start + (row0 + ci * 64) // GROUP
                 for h in gl.static_range(DQ0 // 64):
                     dst = q_smem.index(ci).slice(h * 64, 64, dim=1)
                     dst = dst._reinterpret(q_smem.dtype, [64 // GROUP, GROUP, 64], q_desc.layout)
-                    tok = q_start + (row0 + ci * 64) // GROUP
                     tma.async_copy_global_to_shared(q_desc, [tok, kv_head * GROUP, h * 64], q_full, dst)
+                for h in gl.static_range(DQ1 // 64):  # (Dqk 192: columns past 128 into q1_smem)
+                    dst = q1_smem.index(ci).slice(h * 64, 64, dim=1)
+                    dst = dst._reinterpret(q_smem.dtype, [64 // GROUP, GROUP, 64], q_desc.layout)
+                    tma.async_copy_global_to_shared(
+                        q_desc, [tok, kv_head * GROUP, DQ0 + h * 64], q_full, dst
+                    )
 
     @gluon.jit
     def _key_range(
@@ -406,6 +413,7 @@ if gluon is not None:
         that crosses kv_len is gathered with cp.async (rows past the keys zero-filled, so stale
         cache slots never reach the PV GEMM) and signalled once all load threads' copies landed."""
         k_smem, k1_smem, v_smem, kv_full, kv_empty, total, items, qload = args
+        NCQ: gl.constexpr = BLOCK_M // 64  # (consumers: Q slots)
         K, V, num_pages = gather[0], gather[1], gather[2]
         k_page_rows, k_head_off, v_page_rows, v_head_off = tma_ints
         c = gl.program_id(0) * 0  # tiles this program has loaded so far
@@ -442,7 +450,7 @@ if gluon is not None:
                 mbarrier.wait(kv_empty.index(s), (((c + t) // STAGES) & 1) ^ 1)
                 if Q_TMA:
                     if t == q_at:
-                        _issue_q(q_desc, qload, r, row0, q_start, kv_head, n_tiles, GROUP, BLOCK_M // 64, DBG)
+                        _issue_q(q_desc, qload, r, row0, q_start, kv_head, n_tiles, GROUP, NCQ, DQ1, DBG)
                 if USE_TMA:
                     if (t + 1) * BLOCK_N <= kv_len:
                         if (DBG & 1) != 0:  # diagnostics: no copies
@@ -513,7 +521,7 @@ if gluon is not None:
                     async_copy.mbarrier_arrive(kv_full.index(s), increment_count=False)
             if Q_TMA:
                 if q_at == n_tiles:
-                    _issue_q(q_desc, qload, r, row0, q_start, kv_head, n_tiles, GROUP, BLOCK_M // 64, DBG)
+                    _issue_q(q_desc, qload, r, row0, q_start, kv_head, n_tiles, GROUP, NCQ, DQ1, DBG)
             c += n_tiles
             r += 1
             item = _claim_item(r, items)
@@ -916,7 +924,7 @@ if gluon is not None:
             q_full,
             q_empty,
         )
-        load = (k_smem, k1_smem, v_smem, kv_full, kv_empty, total, items, (q_smem, q_full, q_empty))
+        load = (k_smem, k1_smem, v_smem, kv_full, kv_empty, total, items, (q_smem, q1_smem, q_full, q_empty))
         gather = (
             K,
             V,
@@ -1190,6 +1198,9 @@ class Config:
     # b16_q1k, +9% page1, +6% llama70b, +4% page64 and non-causal, +2% q16k, chunked and D 64
     # level, varlen -1% (bench/results/h200-ostage-probe.log)
     o_stage: int = 1
+    # 1: q_tma and o_stage also for Dqk 192 / Dvo 128 (Q in two column parts, O staged in the first);
+    # compiled, not yet run on a GPU
+    dqk192: int = 0
 
     @property
     def BLOCK_M(self) -> int:
@@ -1270,6 +1281,8 @@ def config(batch: PrefillBatch | None = None) -> Config:
         why = f"q_tma must be 0 or 1, got {cfg.q_tma}"
     elif cfg.o_stage not in (0, 1):
         why = f"o_stage must be 0 or 1, got {cfg.o_stage}"
+    elif cfg.dqk192 not in (0, 1):
+        why = f"dqk192 must be 0 or 1, got {cfg.dqk192}"
     if why:
         raise ValueError(f"PAGEDPREFILL_GLUON_CONFIG: {why}")
     return cfg
@@ -1335,10 +1348,11 @@ def _tma_plan(batch: PrefillBatch, cfg: Config):
 
 def _q_tma_desc(batch: PrefillBatch, cfg: Config):
     """The descriptor of q's 3-D view ``[tokens, heads, Dqk]`` for ``Config.q_tma``'s boxes of
-    ``[64 / G, G, 64]``, or None where they do not apply (knob off, Dqk 192, a GQA group that does not
-    divide 64, q not 16-byte aligned, no query tokens)."""
+    ``[64 / G, G, 64]``, or None where they do not apply (knob off, Dqk 192 without knob dqk192, a GQA
+    group that does not divide 64, q not 16-byte aligned, no query tokens)."""
     q, g = batch.q, batch.group_size
-    if not cfg.q_tma or batch.head_dim_qk not in (64, 128) or 64 % g or q.data_ptr() % 16 or not q.shape[0]:
+    dims = (64, 128, 192) if cfg.dqk192 else (64, 128)
+    if not cfg.q_tma or batch.head_dim_qk not in dims or 64 % g or q.data_ptr() % 16 or not q.shape[0]:
         return None
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
     return TensorDescriptor(q, list(q.shape), list(q.stride()), [64 // g, g, 64], layout)
@@ -1391,6 +1405,8 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
     else:
         tma_ints = (0, 0, 0, 0)
     q_desc = _q_tma_desc(batch, cfg)
+    # (O staging writes O into a Q slot's first DQ0 = min(Dqk, 128) columns)
+    o_fits_q_slot = batch.head_dim_qk == batch.head_dim_vo or (cfg.dqk192 and batch.head_dim_qk == 192)
     total = hkv * bsz * n_m
     grid = total
     if cfg.persistent and batch.device.type == "cuda":  # (CPU: compile-only tests)
@@ -1449,7 +1465,7 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
         V_HEAD_ROWS=bool(tma_plan and v_tma[3]),
         OWN_ROWS=bool(cfg.own_rows),
         Q_TMA=q_desc is not None,
-        O_STAGE=bool(cfg.o_stage and out.dtype == q.dtype and batch.head_dim_qk == batch.head_dim_vo),
+        O_STAGE=bool(cfg.o_stage and out.dtype == q.dtype and o_fits_q_slot),
         num_warps=4,
     )
     return [(_attention_kernel, (grid,), args, kwargs)]
