@@ -25,16 +25,17 @@ for s in $steps; do
               timeout 200 python3 -m pagedprefill.bench --overhead --cuda-graph --out-json "$OUT/h200-overhead.json" 2>&1 | tee "$OUT/overhead-graph.log" | tail -12 ;;
     timeline) timeout 150 python3 scripts/overhead_timeline.py 2>&1 | grep -v -i warn | tee "$OUT/timeline.log" ;;
     gluon) timeout 420 python3 -m pytest -q -x -m gpu tests/test_gluon_sm90.py 2>&1 | tee "$OUT/gluon-tests.log" | tail -5 ;;
-    pending)  # the Gluon GPU tests that did not finish on the current default kernel (docs/triton_kernel.md)
-           timeout 300 python3 -m pytest -q -x -m gpu tests/test_gluon_sm90.py -k "not o_stage and not q_tma" 2>&1 \
+    pending)  # the Gluon GPU tests on the current default kernel (own_rows on) and its new knobs
+           timeout ${PENDING_S:-300} python3 -m pytest -q -m gpu tests/test_gluon_sm90.py \
+             -k "${PENDING_K:-pingpong or own_rows or mla_staged or forced or default_routing}" 2>&1 \
              | tee "$OUT/pending-tests.log" | tail -5 ;;
-    probe) W=llama8b_b1_q16k,llama8b_b4_q4k,llama8b_b16_q1k,page64_b16_q1k,mla192_b4_q4k,chunked_b8_q512_p7680
-           # beside cuDNN: the shape rule; 3 consumers x 64 keys in static rounds for the WIDE shapes
-           # (page64, chunked) now that Q comes by TMA and O is staged; for Dqk 192 (3 stages of
-           # 64 keys fit): 32-key tiles in 6 or 7 stages, own_rows, and Q by TMA / O staged (dqk192)
+    probe) W=llama8b_b1_q16k,llama8b_b4_q4k,llama8b_b16_q1k,page64_b16_q1k,mla192_b4_q4k,chunked_b8_q512_p7680,llama70b_b8_q2k,varlen_b32
+           # beside cuDNN: the shape rule (own_rows on); O in a buffer of its own (o_buf: 4 stages at
+           # D 128; stages=4 alone to separate the two), GEMMs issued in turn (pingpong), both, Dqk 192
+           # staged (dqk192), and pingpong on WIDE tiles (FA3's 2 x 64 rows x 128 keys) everywhere
            timeout 400 python3 scripts/tune_triton.py --graph --workloads $W \
-             --configs "gluon=1;gluon=1,g.dynamic=0;gluon=1,g.BLOCK_N=32,g.stages=6;gluon=1,g.BLOCK_N=32,g.stages=7;gluon=1,g.rule=1,g.own_rows=1;gluon=1,g.rule=1,g.dqk192=1" \
-             2>&1 | grep -A70 SUMMARY | tee "$OUT/gluon-probe.log" ;;
+             --configs "gluon=1;gluon=1,g.rule=1,g.o_buf=1;gluon=1,g.rule=1,g.stages=4;gluon=1,g.rule=1,g.pingpong=1;gluon=1,g.rule=1,g.pingpong=1,g.o_buf=1;gluon=1,g.rule=1,g.dqk192=1;gluon=1,g.consumers=2,g.BLOCK_N=128,g.consumer_regs=224,g.pingpong=1" \
+             2>&1 | grep -A80 SUMMARY | tee "$OUT/gluon-probe.log" ;;
     diag)  # per-item costs of the Gluon kernel: no Q copies (8), no O/LSE stores (16), neither (24); wrong results
            W=llama8b_b16_q1k,page64_b16_q1k,llama70b_b8_q2k,llama8b_b4_q4k,llama8b_b1_q16k,mla192_b4_q4k
            for d in 0 8 16 24; do

@@ -48,6 +48,8 @@ def test_config_env_knobs(monkeypatch):
         ("q_tma=2", "q_tma must be 0 or 1"),
         ("o_stage=2", "o_stage must be 0 or 1"),
         ("dqk192=2", "dqk192 must be 0 or 1"),
+        ("o_buf=2", "o_buf must be 0 or 1"),
+        ("pingpong=-1", "pingpong must be 0 or 1"),
         ("+q_tma=2", "q_tma must be 0 or 1"),
     ):
         monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", bad)
@@ -117,6 +119,21 @@ def test_stages_fit_shared_memory():
         n = gs.stages(batch, cfg)
         assert n == want
         assert 2 * (cfg.BLOCK_M * dqk + n * cfg.BLOCK_N * (dqk + dvo)) <= gs.SMEM_BYTES
+
+
+def test_o_buf_takes_room_from_the_ring_and_needs_staging():
+    """o_buf: O's own buffers (BLOCK_M x Dvo) come out of the K/V ring (D 128: 5 -> 4 stages, D 64
+    keeps 5); O_STAGE 2 only where staging applies at all (out in q's dtype, Dqk = Dvo)."""
+    on = dataclasses.replace(gs.DEFAULT, o_buf=1)
+    for d, want in ((128, 4), (64, 5)):
+        case = make_case(1, lens_q=[5], lens_kv=[9], hq=4, hkv=2, dqk=d, dvo=d, dtype=torch.bfloat16)
+        batch = direct_batch(case)
+        modes = gs.o_stage_mode(batch, on), gs.o_stage_mode(batch, gs.DEFAULT)
+        assert (gs.stages(batch, on), *modes) == (want, 2, 1)
+        assert 2 * (on.BLOCK_M * 2 * d + want * on.BLOCK_N * 2 * d) <= gs.SMEM_BYTES
+    case = make_case(1, lens_q=[5], lens_kv=[9], hq=4, hkv=2, dqk=192, dvo=128, dtype=torch.bfloat16)
+    assert gs.o_stage_mode(direct_batch(case), on) == 0  # (Dqk 192 stages O only with dqk192)
+    assert gs.o_stage_mode(direct_batch(case), dataclasses.replace(on, dqk192=1)) == 2
 
 
 def test_tma_plan_mla_boxes_key_columns_in_two_parts():
@@ -242,6 +259,8 @@ WIDE = "," + ",".join(f"{k}={v}" for k, v in gs.WIDE.items())  # 128 x 128 tiles
         (1, ",o_stage=0"),
         (0, ",q_tma=0"),  # O staged through a Q slot the consumers refill themselves
         (1, ",dqk192=1"),  # Q by TMA in two column parts and O staged for Dqk 192 too
+        (1, ",o_buf=1,pingpong=1"),  # O staged through its own buffer; GEMMs issued in turn
+        (0, ",pingpong=1,own_rows=0"),
     ],
 )
 def test_compiles_for_sm90(tmp_path, tma, knobs):
@@ -268,7 +287,8 @@ def test_compiles_for_sm90(tmp_path, tma, knobs):
         # O staged through the Q slots (stmatrix) exactly with o_stage and Dqk = Dvo (or dqk192); with
         # q_tma each consumer hands its slot back after reading O and a proxy fence
         assert (int(stsm) > 0) == bool(cfg.o_stage and staged), (d, page, stsm)
-        assert int(handback) == (cfg.consumers if cfg.o_stage and cfg.q_tma and staged else 0), handback
+        handing_back = cfg.o_stage and cfg.q_tma and staged and not cfg.o_buf
+        assert int(handback) == (cfg.consumers if handing_back else 0), handback
         assert int(shared) <= 227 * 1024, (d, page, shared)
         # the load warps (56 registers) spill hoisted gather addresses on their cp.async path; the
         # consumers do not spill in the key loop (checked in the SASS by hand: docs/triton_kernel.md;
@@ -561,6 +581,29 @@ def test_gpu_random_grid_o_stage(seed, monkeypatch):
     kwargs = gs.launch_plan(batch)[0][3]
     assert kwargs["O_STAGE"] == (not fp32_out)
     assert kwargs["Q_TMA"] == (q_tma and batch.q.shape[0] > 0), (q_tma, batch.group_size)
+    check_forced(seed, params, case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(1500, 1516))
+def test_gpu_random_grid_pingpong_o_buf(seed, monkeypatch):
+    """Knobs pingpong (the consumers take turns issuing each tile's GEMMs; with own_rows one takes
+    an empty turn for each tile it releases unread) and o_buf (O staged through a buffer of each
+    consumer's own, Q handed back after the last QK GEMM): all four combinations, own_rows on and
+    off, 64-key or WIDE tiles, Q by TMA, on 1-3-program grids, both schedules."""
+    monkeypatch.setattr(gs, "_num_sms", lambda device, n=1 + seed % 3: n)
+    pingpong, o_buf, own_rows = seed % 2, seed // 2 % 2, seed // 4 % 2
+    tiles = ("", WIDE)[seed // 8 % 2]
+    knobs = f"pingpong={pingpong},o_buf={o_buf},own_rows={own_rows},dynamic={seed // 3 % 2}{tiles}"
+    monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", knobs)
+    r = random.Random(seed)
+    params = gluon_params(seed)
+    params.update(zip(("hq", "hkv"), r.choice([(4, 4), (8, 2), (16, 2), (32, 8)])))
+    params.update(causal=r.random() < 0.8)
+    case = make_case(seed, **params)
+    batch = direct_batch(case)
+    kwargs = gs.launch_plan(batch)[0][3]
+    assert kwargs["PINGPONG"] == bool(pingpong) and kwargs["O_STAGE"] == 1 + o_buf
     check_forced(seed, params, case)
 
 

@@ -600,6 +600,7 @@ if gluon is not None:
         OWN_ROWS: gl.constexpr,
         Q_TMA: gl.constexpr,
         O_STAGE: gl.constexpr,
+        PINGPONG: gl.constexpr,
     ):
         """One consumer warpgroup: rows [row0 + R0, row0 + R0 + SUB_M) of each work item's block."""
         (
@@ -623,8 +624,15 @@ if gluon is not None:
             items,
             q_full,
             q_empty,
+            o_smem,
+            turn,
         ) = args
         dtype: gl.constexpr = q_smem.dtype
+        ME: gl.constexpr = R0 // SUB_M
+        NEXT: gl.constexpr = (ME + 1) % (BLOCK_M // SUB_M)
+        # Q_TMA: the slot goes back to the load warps after this warpgroup's last QK GEMM of an item,
+        # or, when O is staged through it (O_STAGE 1), after O is read back from it
+        Q_EARLY: gl.constexpr = Q_TMA and O_STAGE != 1
         S_L: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
@@ -640,6 +648,7 @@ if gluon is not None:
         qargs = (Q, stride_qt, stride_qh)
         c = gl.program_id(0) * 0  # key tiles this program has consumed so far
         r = gl.program_id(0) * 0  # rounds (items) so far
+        t = gl.program_id(0) * 0  # PINGPONG: GEMM turns this warpgroup has taken
         item = _take_item(r, items)
         while _more_items(item, r, total, items):
             w = _work_item(item, sched, GROUP, PAGE_SIZE, BLOCK_M, BLOCK_N, CAUSAL, HAS_LSE)
@@ -671,16 +680,21 @@ if gluon is not None:
                 # (this warpgroup's rows lie inside the block's: its range is within the block's)
                 _, n_walk, full_own = _key_range(row0 + R0, q_len, kv_len, SUB_M, GROUP, BLOCK_N, CAUSAL)
             alpha = gl.full([SUB_M], 1.0, gl.float32, gl.SliceLayout(1, O_L))
-            if Q_TMA and not O_STAGE:
+            if Q_EARLY:
                 if n_walk == 0:  # (Q_TMA: the slot is free once this warpgroup's last QK GEMM is done)
                     mbarrier.arrive(q_empty)
             if n_walk > 0:  # tile 0: nothing to overlap its softmax with yet
                 s0 = c % STAGES
                 mbarrier.wait(kv_full.index(s0), (c // STAGES) & 1)
                 fence_async_shared()
+                if PINGPONG:
+                    mbarrier.wait(turn.index(ME), t & 1)
                 s_tok = _qk_async(q_sub, q1_sub, k_smem.index(s0), k1_smem.index(s0), s_zero, DQ1)
+                if PINGPONG:
+                    mbarrier.arrive(turn.index(NEXT))
+                    t += 1
                 sc = warpgroup_mma_wait(0, deps=[s_tok])
-                if Q_TMA and not O_STAGE:
+                if Q_EARLY:
                     if n_walk == 1:
                         mbarrier.arrive(q_empty)
                 if full_own > 0:
@@ -695,13 +709,19 @@ if gluon is not None:
                 fence_async_shared()
                 # S_j = Q K_j^T in flight while O is rescaled for tile j-1 (FA3's order: off the path
                 # from the PV GEMM's wait to the next PV GEMM); then O += P_{j-1} V_{j-1} joins it,
-                # and softmax(S_j) overlaps the PV GEMM
+                # and softmax(S_j) overlaps the PV GEMM. PINGPONG: the warpgroups issue these two
+                # GEMMs in turn (0, 1, .., 0, ..), so one's softmax runs beside the others' GEMMs
+                if PINGPONG:
+                    mbarrier.wait(turn.index(ME), t & 1)
                 s_tok = _qk_async(q_sub, q1_sub, k_smem.index(s), k1_smem.index(s), s_zero, DQ1)
                 if j > 1:  # (tile 0 left O zero)
                     acc = acc * alpha[:, None]
                 o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(turn.index(NEXT))
+                    t += 1
                 sc = warpgroup_mma_wait(1, deps=[s_tok])
-                if Q_TMA and not O_STAGE:
+                if Q_EARLY:
                     if j == n_walk - 1:
                         mbarrier.arrive(q_empty)
                 if (DBG & 2) != 0:
@@ -729,6 +749,10 @@ if gluon is not None:
             if OWN_ROWS:  # tiles past this warpgroup's last key: released unread, in ring order
                 for j in range(n_walk, n_tiles):
                     mbarrier.wait(kv_full.index((c + j) % STAGES), ((c + j) // STAGES) & 1)
+                    if PINGPONG:  # (an empty turn: every warpgroup takes one per tile)
+                        mbarrier.wait(turn.index(ME), t & 1)
+                        mbarrier.arrive(turn.index(NEXT))
+                        t += 1
                     mbarrier.arrive(kv_empty.index((c + j) % STAGES))
             c += n_tiles
 
@@ -739,17 +763,21 @@ if gluon is not None:
             q_out = q_len
             if (DBG & 16) != 0:  # diagnostics: every store masked off (the values are still computed)
                 q_out = gl.minimum(q_len, -1 - kv_len)  # (kv_len >= 0, unknown to the compiler)
-            if O_STAGE:
-                # through this warpgroup's Q slot (its last QK GEMM is done) into rows of 16-byte
-                # vectors: each warp stores whole 2^k-byte row segments instead of 16-byte pieces
-                # of 8 rows (the wgmma accumulator's layout)
+            if O_STAGE != 0:
+                # through this warpgroup's Q slot (its last QK GEMM is done; O_STAGE 1) or its own
+                # O buffer (2) into rows of 16-byte vectors: each warp stores whole 2^k-byte row
+                # segments instead of 16-byte pieces of 8 rows (the wgmma accumulator's layout)
+                if O_STAGE == 1:
+                    o_sub = q_sub
+                else:
+                    o_sub = o_smem.index(ME)
                 gl.thread_barrier()
-                q_sub.store(o)
+                o_sub.store(o)
                 gl.thread_barrier()
                 TPW_D: gl.constexpr = DVO // 8
                 ST_L: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [4, 1], [1, 0])
-                o_st = q_sub.load(ST_L)
-                if Q_TMA:  # (the slot is the load warps' again; an arrive first syncs the warpgroup)
+                o_st = o_sub.load(ST_L)
+                if Q_TMA and O_STAGE == 1:  # (the slot goes back to the load warps; arrive syncs the group)
                     fence_async_shared()  # (O's generic-proxy writes before the next Q's TMA writes)
                     mbarrier.arrive(q_empty)
                 rows_o = row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, ST_L))
@@ -839,6 +867,7 @@ if gluon is not None:
         OWN_ROWS: gl.constexpr,
         Q_TMA: gl.constexpr,
         O_STAGE: gl.constexpr,
+        PINGPONG: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each (BLOCK_M = 64 * NC); the
@@ -887,7 +916,17 @@ if gluon is not None:
         else:  # (unused)
             q_full = kv_full.index(0)
             q_empty = kv_empty.index(0)
+        if O_STAGE == 2:  # O staged through a buffer of its own per consumer (Config.o_buf)
+            o_smem = gl.allocate_shared_memory(dtype, [NC, SUB_M, DVO], SMEM)
+        else:  # (unused)
+            o_smem = q_smem
+        # PINGPONG: consumer i issues its GEMMs of a tile once consumer i - 1 issued its own (turn[i])
+        turn = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NC):
+            mbarrier.init(turn.index(i), count=1)
         fence_async_shared()
+        if PINGPONG:
+            mbarrier.arrive(turn.index(0))  # (consumer 0 takes the first turn)
 
         # ints specialised to 1 arrive as constexprs; partitions take tensors
         n_bh = gl.to_tensor(num_kv_heads) * batch_size
@@ -923,6 +962,8 @@ if gluon is not None:
             items,
             q_full,
             q_empty,
+            o_smem,
+            turn,
         )
         load = (k_smem, k1_smem, v_smem, kv_full, kv_empty, total, items, (q_smem, q1_smem, q_full, q_empty))
         gather = (
@@ -970,6 +1011,7 @@ if gluon is not None:
                             OWN_ROWS,
                             Q_TMA,
                             O_STAGE,
+                            PINGPONG,
                         ),
                     ),
                     (
@@ -993,6 +1035,7 @@ if gluon is not None:
                             OWN_ROWS,
                             Q_TMA,
                             O_STAGE,
+                            PINGPONG,
                         ),
                     ),
                     (
@@ -1052,6 +1095,7 @@ if gluon is not None:
                             OWN_ROWS,
                             Q_TMA,
                             O_STAGE,
+                            PINGPONG,
                         ),
                     ),
                     (
@@ -1075,6 +1119,7 @@ if gluon is not None:
                             OWN_ROWS,
                             Q_TMA,
                             O_STAGE,
+                            PINGPONG,
                         ),
                     ),
                     (
@@ -1098,6 +1143,7 @@ if gluon is not None:
                             OWN_ROWS,
                             Q_TMA,
                             O_STAGE,
+                            PINGPONG,
                         ),
                     ),
                     (
@@ -1179,9 +1225,10 @@ class Config:
     persistent: int = 1  # programs per SM, each looping over work items; 0: one program per work item
     chunk: int = 4  # (sequence, KV head) pairs whose row blocks are dealt together; 0: all pairs
     # causal: each consumer walks and masks key tiles by its own 64 rows' diagonal, not the block's
-    # (tiles past its last key are released unread); off: measured -2 to -5% on q16k, b4_q4k and
-    # chunked, +1-4% on page1 and mla192
-    own_rows: int = 0
+    # (tiles past its last key are released unread). With q_tma and o_stage, against off on the H200:
+    # +7% mla192, +3% page64, +1-2% q16k and b4_q4k, level on b16_q1k and chunked
+    # (bench/results/h200-probe-2026-11-29.log)
+    own_rows: int = 1
     # 1: items come off a per-call work counter as each program's loads reach them (list scheduling
     # in the same order) instead of the static snake rounds: +10% varlen, +3-5% b4_q4k, D 64 and
     # mla192; -7% chunked prefill and -1 to -3% on prompts of 1k (equal items: static rounds keep
@@ -1201,6 +1248,13 @@ class Config:
     # 1: q_tma and o_stage also for Dqk 192 / Dvo 128 (Q in two column parts, O staged in the first);
     # compiled, not yet run on a GPU
     dqk192: int = 0
+    # 1: o_stage through a buffer of each consumer's own instead of its Q slot, so (with q_tma) the
+    # next item's Q is copied during the item's last tile and epilogue, not after it; the buffer
+    # takes the room of K/V stages where shared memory is short (`stages`)
+    o_buf: int = 0
+    # 1: the consumers issue each tile's two GEMMs in turn (FA3's ping-pong schedule, by mbarriers),
+    # so one consumer's softmax runs beside the others' GEMMs instead of all softmaxes at once
+    pingpong: int = 0
 
     @property
     def BLOCK_M(self) -> int:
@@ -1283,6 +1337,10 @@ def config(batch: PrefillBatch | None = None) -> Config:
         why = f"o_stage must be 0 or 1, got {cfg.o_stage}"
     elif cfg.dqk192 not in (0, 1):
         why = f"dqk192 must be 0 or 1, got {cfg.dqk192}"
+    elif cfg.o_buf not in (0, 1):
+        why = f"o_buf must be 0 or 1, got {cfg.o_buf}"
+    elif cfg.pingpong not in (0, 1):
+        why = f"pingpong must be 0 or 1, got {cfg.pingpong}"
     if why:
         raise ValueError(f"PAGEDPREFILL_GLUON_CONFIG: {why}")
     return cfg
@@ -1366,10 +1424,23 @@ def _num_sms(device: torch.device) -> int:
 SMEM_BYTES = 227 * 1024 - 1024  # sm_90's shared memory per block, less room for the barriers
 
 
+def o_stage_mode(batch: PrefillBatch, cfg: Config) -> int:
+    """How the epilogue stores O (the kernel's ``O_STAGE``): 0 straight from the wgmma accumulator
+    layout, 1 staged through the consumer's Q slot, 2 through a buffer of its own (``Config.o_buf``).
+    Staging needs out in q's dtype and O to fit the slot's first min(Dqk, 128) columns."""
+    fits = batch.head_dim_qk == batch.head_dim_vo or (cfg.dqk192 and batch.head_dim_qk == 192)
+    if not (cfg.o_stage and batch.out.dtype == batch.q.dtype and fits):
+        return 0
+    return 2 if cfg.o_buf else 1
+
+
 def stages(batch: PrefillBatch, cfg: Config) -> int:
-    """``cfg.stages``, or fewer where Q and the K/V ring would not fit in shared memory (Dqk 192)."""
+    """``cfg.stages``, or fewer where Q (and O's own buffer) and the K/V ring would not fit in shared
+    memory (Dqk 192, ``o_buf``)."""
     esz = batch.q.element_size()
     q_bytes = cfg.BLOCK_M * batch.head_dim_qk * esz
+    if o_stage_mode(batch, cfg) == 2:
+        q_bytes += cfg.BLOCK_M * batch.head_dim_vo * esz
     stage_bytes = cfg.BLOCK_N * (batch.head_dim_qk + batch.head_dim_vo) * esz
     return max(2, min(cfg.stages, (SMEM_BYTES - q_bytes) // stage_bytes))
 
@@ -1405,8 +1476,6 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
     else:
         tma_ints = (0, 0, 0, 0)
     q_desc = _q_tma_desc(batch, cfg)
-    # (O staging writes O into a Q slot's first DQ0 = min(Dqk, 128) columns)
-    o_fits_q_slot = batch.head_dim_qk == batch.head_dim_vo or (cfg.dqk192 and batch.head_dim_qk == 192)
     total = hkv * bsz * n_m
     grid = total
     if cfg.persistent and batch.device.type == "cuda":  # (CPU: compile-only tests)
@@ -1465,7 +1534,8 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
         V_HEAD_ROWS=bool(tma_plan and v_tma[3]),
         OWN_ROWS=bool(cfg.own_rows),
         Q_TMA=q_desc is not None,
-        O_STAGE=bool(cfg.o_stage and out.dtype == q.dtype and o_fits_q_slot),
+        O_STAGE=o_stage_mode(batch, cfg),
+        PINGPONG=bool(cfg.pingpong),
         num_warps=4,
     )
     return [(_attention_kernel, (grid,), args, kwargs)]
