@@ -132,8 +132,8 @@ def test_o_buf_takes_room_from_the_ring_and_needs_staging():
         assert (gs.stages(batch, on), *modes) == (want, 2, 1)
         assert 2 * (on.BLOCK_M * 2 * d + want * on.BLOCK_N * 2 * d) <= gs.SMEM_BYTES
     case = make_case(1, lens_q=[5], lens_kv=[9], hq=4, hkv=2, dqk=192, dvo=128, dtype=torch.bfloat16)
-    assert gs.o_stage_mode(direct_batch(case), on) == 0  # (Dqk 192 stages O only with dqk192)
-    assert gs.o_stage_mode(direct_batch(case), dataclasses.replace(on, dqk192=1)) == 2
+    assert gs.o_stage_mode(direct_batch(case), dataclasses.replace(on, dqk192=0)) == 0
+    assert gs.o_stage_mode(direct_batch(case), on) == 2  # (Dqk 192 stages O with knob dqk192)
 
 
 def test_tma_plan_mla_boxes_key_columns_in_two_parts():
@@ -258,7 +258,7 @@ WIDE = "," + ",".join(f"{k}={v}" for k, v in gs.WIDE.items())  # 128 x 128 tiles
         (1, ",q_tma=0,o_stage=0"),  # the epilogue and Q copies before o_stage / q_tma
         (1, ",o_stage=0"),
         (0, ",q_tma=0"),  # O staged through a Q slot the consumers refill themselves
-        (1, ",dqk192=1"),  # Q by TMA in two column parts and O staged for Dqk 192 too
+        (1, ",dqk192=0"),  # Dqk 192: Q by the consumers' cp.async, O stored directly
         (1, ",o_buf=1,pingpong=1"),  # O staged through its own buffer; GEMMs issued in turn
         (0, ",pingpong=1,own_rows=0"),
     ],
@@ -536,8 +536,8 @@ def test_q_tma_descriptor_only_where_its_boxes_fit():
     assert desc(hq=16, hkv=2)[0].block_shape == [8, 8, 64]
     assert desc(cfg=dataclasses.replace(gs.DEFAULT, q_tma=0))[0] is None  # knob off
     assert desc(hq=6, hkv=2)[0] is None  # G = 3 does not divide 64
-    assert desc(dqk=192, dvo=128)[0] is None  # two column parts: only with knob dqk192
-    assert desc(cfg=dataclasses.replace(on, dqk192=1), dqk=192, dvo=128)[0].block_shape == [16, 4, 64]
+    assert desc(cfg=dataclasses.replace(on, dqk192=0), dqk=192, dvo=128)[0] is None  # knob off
+    assert desc(dqk=192, dvo=128)[0].block_shape == [16, 4, 64]  # two column parts (knob dqk192)
     assert desc(lens_q=[0, 0])[0] is None  # no query tokens: a TMA view needs a positive extent
 
 
@@ -679,6 +679,7 @@ def test_gpu_random_grid_mla(seed, monkeypatch):
     2-program persistent grid."""
     if seed % 2:
         monkeypatch.setattr(gs, "_num_sms", lambda device: 2)
+    monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", f"dqk192={seed // 2 % 2}")  # (Q copies, O stores)
     params = gluon_params(seed)
     params.update(dqk=192, dvo=128, page_size=random.Random(seed).choice([0, 1, 16, 64]))
     if params["kv_layout"] == "interleaved":  # (one K/V buffer needs Dqk = Dvo)

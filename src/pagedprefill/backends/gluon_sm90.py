@@ -1246,14 +1246,18 @@ class Config:
     # level, varlen -1% (bench/results/h200-ostage-probe.log)
     o_stage: int = 1
     # 1: q_tma and o_stage also for Dqk 192 / Dvo 128 (Q in two column parts, O staged in the first);
-    # compiled, not yet run on a GPU
-    dqk192: int = 0
+    # mla192 +2% and +4% against off in two probes (bench/results/h200-probe-2026-11-29.log)
+    dqk192: int = 1
     # 1: o_stage through a buffer of each consumer's own instead of its Q slot, so (with q_tma) the
     # next item's Q is copied during the item's last tile and epilogue, not after it; the buffer
-    # takes the room of K/V stages where shared memory is short (`stages`)
+    # takes the room of K/V stages where shared memory is short (`stages`). Measured: level to -2%
+    # on the 64-key shapes (5 -> 4 stages: level alone), -28% / -39% on WIDE page64 / chunked
+    # (3 -> 2 stages)
     o_buf: int = 0
     # 1: the consumers issue each tile's two GEMMs in turn (FA3's ping-pong schedule, by mbarriers),
-    # so one consumer's softmax runs beside the others' GEMMs instead of all softmaxes at once
+    # so one consumer's softmax runs beside the others' GEMMs instead of all softmaxes at once.
+    # Measured on 3 consumers: -12% b4_q4k, -7% varlen, -1 to -2% elsewhere, chunked level; on
+    # WIDE tiles (FA3's 2 x 64 rows x 128 keys) q16k 561 TFLOP/s against 566 for the rule
     pingpong: int = 0
 
     @property
@@ -1406,7 +1410,7 @@ def _tma_plan(batch: PrefillBatch, cfg: Config):
 
 def _q_tma_desc(batch: PrefillBatch, cfg: Config):
     """The descriptor of q's 3-D view ``[tokens, heads, Dqk]`` for ``Config.q_tma``'s boxes of
-    ``[64 / G, G, 64]``, or None where they do not apply (knob off, Dqk 192 without knob dqk192, a GQA
+    ``[64 / G, G, 64]``, or None where they do not apply (knob off, Dqk 192 with knob dqk192 off, a GQA
     group that does not divide 64, q not 16-byte aligned, no query tokens)."""
     q, g = batch.q, batch.group_size
     dims = (64, 128, 192) if cfg.dqk192 else (64, 128)
