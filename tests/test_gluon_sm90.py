@@ -711,7 +711,8 @@ def test_gpu_random_grid_mla_staged(seed, monkeypatch):
 def test_gpu_default_routing():
     """Every call the Gluon kernel can serve goes to it (measured faster than the Triton kernel on
     every shape tried), unless split-KV is chosen or the knob gluon=0 is set; backend="auto" sends
-    long prefills and D = 64 to the Triton backend, a short D = 128 prefill to cuDNN."""
+    long prefills (causal Dqk 192 too) and D = 64 to the Triton backend, a short D = 128 prefill to
+    cuDNN."""
 
     def case(dqk=128, page_size=16, lens_q=(30,), lens_kv=(90,)):
         return make_case(
@@ -737,9 +738,22 @@ def test_gpu_default_routing():
     with tb.config_override(gluon=0):
         assert not tb.use_gluon(direct_batch(case()), 1)
 
+    long_mla = make_case(
+        4,
+        lens_q=[600],
+        lens_kv=[700],
+        hq=8,
+        hkv=2,
+        dqk=192,
+        dvo=128,
+        dtype=torch.bfloat16,
+        causal=True,
+        device="cuda",
+    )
     for c, expect in (
         (case(lens_q=(4096,), lens_kv=(4096,)), "triton"),
         (case(dqk=64), "triton"),
+        (long_mla, "triton"),
         (case(), "cudnn"),
     ):
         out, _ = pagedprefill.cudnn_batch_prefill_with_kv_cache(**c.kwargs, backend="auto")

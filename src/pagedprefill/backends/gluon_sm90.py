@@ -286,9 +286,7 @@ if gluon is not None:
                 for h in gl.static_range(DQ1 // 64):  # (Dqk 192: columns past 128 into q1_smem)
                     dst = q1_smem.index(ci).slice(h * 64, 64, dim=1)
                     dst = dst._reinterpret(q_smem.dtype, [64 // GROUP, GROUP, 64], q_desc.layout)
-                    tma.async_copy_global_to_shared(
-                        q_desc, [tok, kv_head * GROUP, DQ0 + h * 64], q_full, dst
-                    )
+                    tma.async_copy_global_to_shared(q_desc, [tok, kv_head * GROUP, DQ0 + h * 64], q_full, dst)
 
     @gluon.jit
     def _key_range(
