@@ -20,14 +20,15 @@ that measured faster). Each program's warps are split (``gl.warp_specialize``):
   K/V); otherwise a ``cp.async`` gather (page ids from the block table, clamped; any page size and
   page strides; rows past the tile's key range zero-filled) that arrives on ``kv_full`` when its
   copies land;
-* **consumer warpgroups** (``consumers`` x 4 warps, 64 rows each): per item, copy their Q rows
-  into their own slot of shared memory (``cp.async``), then per tile ``j``: wait ``kv_full``, issue
+* **consumer warpgroups** (``consumers`` x 4 warps, 64 rows each): per item, take their Q rows
+  in their own slot of shared memory (copied by the load warps' TMA, ``Config.q_tma``, or by their
+  own ``cp.async``), then per tile ``j``: wait ``kv_full``, issue
   ``S_j = Q K_j^T`` as an asynchronous wgmma, rescale ``O`` for tile ``j - 1`` beside it, issue
   ``O += P_{j-1} V_{j-1}``, wait for ``S_j`` only, run the online softmax of tile ``j`` while the PV
   GEMM still runs, wait for it and release stage ``j - 1``. Consumers are not synchronised with
-  each other, so one's softmax also overlaps another's GEMMs. Every consumer walks every tile of its
-  item (``Config.own_rows``: on causal items each walks only up to its own rows' diagonal and
-  releases the rest unread; off: measured -5% to +4%).
+  each other, so one's softmax also overlaps another's GEMMs (``Config.pingpong`` makes them take
+  turns; measured slower). On causal items each consumer walks only up to its own rows' diagonal
+  and releases the rest of the item's tiles unread (``Config.own_rows``).
 
 Lengths, offsets and page ids are read on the device (CUDA-graph safe, no host sync), every integer
 that varies per call is ``do_not_specialize``, masks are evaluated only on tiles that cross the
