@@ -714,7 +714,7 @@ def test_gpu_default_routing():
     long prefills (causal Dqk 192 too) and D = 64 to the Triton backend, a short D = 128 prefill to
     cuDNN."""
 
-    def case(dqk=128, page_size=16, lens_q=(30,), lens_kv=(90,)):
+    def case(dqk=128, page_size=16, lens_q=(30,), lens_kv=(90,), dvo=None):
         return make_case(
             3,
             lens_q=list(lens_q),
@@ -722,6 +722,7 @@ def test_gpu_default_routing():
             hq=8,
             hkv=2,
             dqk=dqk,
+            dvo=dvo,
             page_size=page_size,
             dtype=torch.bfloat16,
             device="cuda",
@@ -731,29 +732,14 @@ def test_gpu_default_routing():
         assert tb.use_gluon(direct_batch(c), 1)
     assert not tb.use_gluon(direct_batch(case()), 2)  # split-KV: the Triton kernel merges splits
     assert not tb.use_gluon(direct_batch(case(dqk=96)), 1)
-    mla = make_case(
-        3, lens_q=[30], lens_kv=[90], hq=8, hkv=2, dqk=192, dvo=128, dtype=torch.bfloat16, device="cuda"
-    )
-    assert tb.use_gluon(direct_batch(mla), 1)
+    assert tb.use_gluon(direct_batch(case(dqk=192, dvo=128, page_size=4)), 1)
     with tb.config_override(gluon=0):
         assert not tb.use_gluon(direct_batch(case()), 1)
 
-    long_mla = make_case(
-        4,
-        lens_q=[600],
-        lens_kv=[700],
-        hq=8,
-        hkv=2,
-        dqk=192,
-        dvo=128,
-        dtype=torch.bfloat16,
-        causal=True,
-        device="cuda",
-    )
     for c, expect in (
         (case(lens_q=(4096,), lens_kv=(4096,)), "triton"),
         (case(dqk=64), "triton"),
-        (long_mla, "triton"),
+        (case(dqk=192, dvo=128, lens_q=(600,), lens_kv=(700,)), "triton"),  # causal MLA, >= 512 tokens
         (case(), "cudnn"),
     ):
         out, _ = pagedprefill.cudnn_batch_prefill_with_kv_cache(**c.kwargs, backend="auto")
