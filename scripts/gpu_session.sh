@@ -25,14 +25,18 @@ for s in $steps; do
               timeout 200 python3 -m pagedprefill.bench --overhead --cuda-graph --out-json "$OUT/h200-overhead.json" 2>&1 | tee "$OUT/overhead-graph.log" | tail -12 ;;
     timeline) timeout 150 python3 scripts/overhead_timeline.py 2>&1 | grep -v -i warn | tee "$OUT/timeline.log" ;;
     gluon) timeout 420 python3 -m pytest -q -x -m gpu tests/test_gluon_sm90.py 2>&1 | tee "$OUT/gluon-tests.log" | tail -5 ;;
-    pending)  # the Gluon GPU tests on the current default kernel (own_rows on) and its new knobs
-           timeout ${PENDING_S:-300} python3 -m pytest -q -m gpu tests/test_gluon_sm90.py \
-             -k "${PENDING_K:-pingpong or own_rows or mla_staged or forced or default_routing}" 2>&1 \
+    pending)  # the GPU tests that did not run on the current default kernel (own_rows, dqk192 on;
+              # bench/results/h200-gpu-tests-ownrows.log): the Triton module's (107 of 141), the TMA grid's
+              # last cases, the routing test's rewritten helper, auto and the demo
+           timeout ${PENDING_S:-420} python3 -m pytest -q -m gpu ${PENDING_FILES:-tests/test_triton_backend.py \
+             tests/test_auto_policy.py tests/test_demo.py tests/test_gluon_sm90.py} \
+             -k "${PENDING_K:-not gluon_sm90 or random_grid_tma or default_routing}" 2>&1 \
              | tee "$OUT/pending-tests.log" | tail -5 ;;
     probe) W=${PROBE_W:-llama8b_b1_q16k,llama8b_b4_q4k,llama8b_b16_q1k,page64_b16_q1k,mla192_b4_q4k,chunked_b8_q512_p7680,llama70b_b8_q2k,varlen_b32}
-           # beside cuDNN: the shape rule (own_rows on); O in a buffer of its own (o_buf: 4 stages at
-           # D 128; stages=4 alone to separate the two), GEMMs issued in turn (pingpong), both, Dqk 192
-           # staged (dqk192), and pingpong on WIDE tiles (FA3's 2 x 64 rows x 128 keys) everywhere
+           # beside cuDNN (the 21:46 probe of bench/results/h200-probe-2026-11-29.log by default): the
+           # shape rule; O in a buffer of its own (o_buf: 4 stages at D 128; stages=4 alone to separate
+           # the two), GEMMs issued in turn (pingpong), both, Dqk 192 staged (dqk192), and pingpong on
+           # WIDE tiles (FA3's 2 x 64 rows x 128 keys) everywhere
            timeout 400 python3 scripts/tune_triton.py --graph --workloads $W \
              --configs "${PROBE_CONFIGS:-gluon=1;gluon=1,g.rule=1,g.o_buf=1;gluon=1,g.rule=1,g.stages=4;gluon=1,g.rule=1,g.pingpong=1;gluon=1,g.rule=1,g.pingpong=1,g.o_buf=1;gluon=1,g.rule=1,g.dqk192=1;gluon=1,g.consumers=2,g.BLOCK_N=128,g.consumer_regs=224,g.pingpong=1}" \
              2>&1 | grep -A80 SUMMARY | tee "$OUT/gluon-probe.log" ;;
