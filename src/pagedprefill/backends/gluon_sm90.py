@@ -1244,8 +1244,9 @@ class Config:
     # b16_q1k, +9% page1, +6% llama70b, +4% page64 and non-causal, +2% q16k, chunked and D 64
     # level, varlen -1% (bench/results/h200-ostage-probe.log)
     o_stage: int = 1
-    # 1: q_tma and o_stage also for Dqk 192 / Dvo 128 (Q in two column parts, O staged in the first);
-    # mla192 +2% and +4% against off in two probes (bench/results/h200-probe-2026-11-29.log)
+    # 1: q_tma and o_stage also for Dqk 192 / Dvo 128 (Q in two column parts, O staged in the first,
+    # only where Q comes by TMA); mla192 +2% and +4% against off in two probes
+    # (bench/results/h200-probe-2026-11-29.log)
     dqk192: int = 1
     # 1: o_stage through a buffer of each consumer's own instead of its Q slot, so (with q_tma) the
     # next item's Q is copied during the item's last tile and epilogue, not after it; the buffer
@@ -1407,14 +1408,20 @@ def _tma_plan(batch: PrefillBatch, cfg: Config):
     return (box, *kv, k1)
 
 
+def _q_tma_applies(batch: PrefillBatch, cfg: Config) -> bool:
+    q, g = batch.q, batch.group_size
+    dims = (64, 128, 192) if cfg.dqk192 else (64, 128)
+    aligned = q.data_ptr() % 16 == 0
+    return bool(cfg.q_tma and batch.head_dim_qk in dims and 64 % g == 0 and aligned and q.shape[0])
+
+
 def _q_tma_desc(batch: PrefillBatch, cfg: Config):
     """The descriptor of q's 3-D view ``[tokens, heads, Dqk]`` for ``Config.q_tma``'s boxes of
     ``[64 / G, G, 64]``, or None where they do not apply (knob off, Dqk 192 with knob dqk192 off, a GQA
     group that does not divide 64, q not 16-byte aligned, no query tokens)."""
-    q, g = batch.q, batch.group_size
-    dims = (64, 128, 192) if cfg.dqk192 else (64, 128)
-    if not cfg.q_tma or batch.head_dim_qk not in dims or 64 % g or q.data_ptr() % 16 or not q.shape[0]:
+    if not _q_tma_applies(batch, cfg):
         return None
+    q, g = batch.q, batch.group_size
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
     return TensorDescriptor(q, list(q.shape), list(q.stride()), [64 // g, g, 64], layout)
 
@@ -1430,8 +1437,11 @@ SMEM_BYTES = 227 * 1024 - 1024  # sm_90's shared memory per block, less room for
 def o_stage_mode(batch: PrefillBatch, cfg: Config) -> int:
     """How the epilogue stores O (the kernel's ``O_STAGE``): 0 straight from the wgmma accumulator
     layout, 1 staged through the consumer's Q slot, 2 through a buffer of its own (``Config.o_buf``).
-    Staging needs out in q's dtype and O to fit the slot's first min(Dqk, 128) columns."""
-    fits = batch.head_dim_qk == batch.head_dim_vo or (cfg.dqk192 and batch.head_dim_qk == 192)
+    Staging needs out in q's dtype and O to fit the slot's first min(Dqk, 128) columns; Dqk 192
+    stages only with Q by TMA (``dqk192``; with the consumers' own Q copies ptxas spills 640 bytes
+    around each item there, against 204 unstaged)."""
+    dqk192 = batch.head_dim_qk == 192 and cfg.dqk192 and _q_tma_applies(batch, cfg)
+    fits = batch.head_dim_qk == batch.head_dim_vo or dqk192
     if not (cfg.o_stage and batch.out.dtype == batch.q.dtype and fits):
         return 0
     return 2 if cfg.o_buf else 1
