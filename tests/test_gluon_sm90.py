@@ -137,6 +137,9 @@ def test_o_buf_takes_room_from_the_ring_and_needs_staging():
     assert gs.o_stage_mode(direct_batch(case), dataclasses.replace(on, q_tma=0)) == 0  # (and Q by TMA)
     case = make_case(1, lens_q=[5], lens_kv=[9], hq=6, hkv=2, dqk=192, dvo=128, dtype=torch.bfloat16)
     assert gs.o_stage_mode(direct_batch(case), on) == 0  # G = 3: no Q by TMA, so no staging either
+    case = make_case(1, lens_q=[5], lens_kv=[9], hq=4, hkv=2, dqk=128, dtype=torch.bfloat16, with_out=True)
+    case.kwargs["out"] = torch.empty_like(case.kwargs["out"], dtype=torch.float32)
+    assert gs.o_stage_mode(direct_batch(case), on) == 0  # out in another dtype: the direct store
 
 
 def test_tma_plan_mla_boxes_key_columns_in_two_parts():
@@ -413,9 +416,10 @@ def test_fast_launch_key_is_finer_than_tritons_with_descriptors(monkeypatch):
 # --------------------------------------------------------------------------------------------
 
 
-def gluon_params(seed: int) -> dict:
+def gluon_params(seed: int, long: bool | None = None) -> dict:
     r = random.Random(seed)
-    params = random_params(seed, (torch.bfloat16, torch.float16), long=r.random() < 0.3)
+    long_draw = r.random() < 0.3
+    params = random_params(seed, (torch.bfloat16, torch.float16), long=long_draw if long is None else long)
     params["dqk"] = r.choice([64, 128, 128])
     params["page_size"] = r.choice([0, 1, 3, 8, 16, 16, 64])
     hq, hkv = r.choice([(4, 4), (8, 2), (12, 4), (16, 2), (32, 8), (6, 1)])
@@ -594,20 +598,22 @@ def test_gpu_random_grid_pingpong_o_buf(seed, monkeypatch):
     """Knobs pingpong (the consumers take turns issuing each tile's GEMMs; with own_rows one takes
     an empty turn for each tile it releases unread) and o_buf (O staged through a buffer of each
     consumer's own, Q handed back after the last QK GEMM): all four combinations, own_rows on and
-    off, 64-key or WIDE tiles, Q by TMA, on 1-3-program grids, both schedules."""
+    off, 64-key or WIDE tiles, Q by TMA, on 1-3-program grids, both schedules; with own_rows the
+    cases are causal with long sequences (many tiles released unread: empty turns)."""
     monkeypatch.setattr(gs, "_num_sms", lambda device, n=1 + seed % 3: n)
     pingpong, o_buf, own_rows = seed % 2, seed // 2 % 2, seed // 4 % 2
     tiles = ("", WIDE)[seed // 8 % 2]
     knobs = f"pingpong={pingpong},o_buf={o_buf},own_rows={own_rows},dynamic={seed // 3 % 2}{tiles}"
     monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", knobs)
     r = random.Random(seed)
-    params = gluon_params(seed)
+    params = gluon_params(seed, long=True if own_rows else None)
     params.update(zip(("hq", "hkv"), r.choice([(4, 4), (8, 2), (16, 2), (32, 8)])))
-    params.update(causal=r.random() < 0.8)
+    params.update(causal=bool(own_rows) or r.random() < 0.8)
     case = make_case(seed, **params)
     batch = direct_batch(case)
     kwargs = gs.launch_plan(batch)[0][3]
     assert kwargs["PINGPONG"] == bool(pingpong) and kwargs["O_STAGE"] == 1 + o_buf
+    assert kwargs["Q_TMA"] == (batch.q.shape[0] > 0)
     check_forced(seed, params, case)
 
 
@@ -683,7 +689,7 @@ def test_gpu_random_grid_mla(seed, monkeypatch):
     2-program persistent grid."""
     if seed % 2:
         monkeypatch.setattr(gs, "_num_sms", lambda device: 2)
-    monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", f"dqk192={seed // 2 % 2}")  # (Q copies, O stores)
+    monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", f"+dqk192={seed // 2 % 2}")  # (Q copies, O stores)
     params = gluon_params(seed)
     params.update(dqk=192, dvo=128, page_size=random.Random(seed).choice([0, 1, 16, 64]))
     if params["kv_layout"] == "interleaved":  # (one K/V buffer needs Dqk = Dvo)
@@ -707,7 +713,7 @@ def test_gpu_random_grid_mla_staged(seed, monkeypatch):
     case = make_case(seed, **params)
     batch = direct_batch(case)
     kwargs = gs.launch_plan(batch)[0][3]
-    assert kwargs["O_STAGE"] and kwargs["Q_TMA"] == (batch.q.shape[0] > 0)
+    assert bool(kwargs["O_STAGE"]) == kwargs["Q_TMA"] == (batch.q.shape[0] > 0)
     check_forced(seed, params, case)
 
 

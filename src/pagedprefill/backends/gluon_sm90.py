@@ -425,7 +425,7 @@ if gluon is not None:
             kv_head, row0, _, kv_len, q_start, _, _, BT_row, k_start, v_start, hi, _, n_tiles = w
             # (Q_TMA: the item's Q goes out once its tile STAGES - 2 has a stage: the consumers have
             # then released the tile two before it, so when the last item had >= 2 tiles they are
-            # past its last QK GEMM; with O_STAGE they hand the slots back only after the last
+            # past its last QK GEMM; with O_STAGE 1 they hand the slots back only after the last
             # item's epilogue read O from them, so q_empty may wait for that; or after the item's
             # last tile)
             q_at = gl.minimum(n_tiles, STAGES - 2)
@@ -1234,9 +1234,9 @@ class Config:
     # the programs that share K/V in step, so its tiles stay in L2). A runtime argument; `config`
     # turns it off for max_q <= 1024 and for max_kv >= 4 max_q
     dynamic: int = 1
-    # 1: the load warps copy each item's Q by TMA (Dqk 64 / 128, GQA group dividing 64, q 16-byte
-    # aligned; else cp.async by the consumers at the item's start), issued once the consumers hand
-    # the slot back: past the item's last QK GEMM, or with o_stage once O is read back from it
+    # 1: the load warps copy each item's Q by TMA (Dqk 64 / 128, 192 with dqk192; GQA group dividing
+    # 64, q 16-byte aligned; else cp.async by the consumers at the item's start), issued once the
+    # consumers hand the slot back: past the item's last QK GEMM, or with o_stage once O is read back
     q_tma: int = 1
     # 1: the epilogue stages O through the warpgroup's Q slot and stores whole rows of 16-byte
     # vectors (out in q's dtype, Dqk = Dvo; else straight from the wgmma accumulator layout, 16-byte
@@ -1256,8 +1256,8 @@ class Config:
     o_buf: int = 0
     # 1: the consumers issue each tile's two GEMMs in turn (FA3's ping-pong schedule, by mbarriers),
     # so one consumer's softmax runs beside the others' GEMMs instead of all softmaxes at once.
-    # Measured on 3 consumers: -12% b4_q4k, -7% varlen, -1 to -2% elsewhere, chunked level; on
-    # WIDE tiles (FA3's 2 x 64 rows x 128 keys) q16k 561 TFLOP/s against 566 for the rule
+    # Measured on the rule's tiles: -12% b4_q4k, -7% varlen, -1 to -2.4% elsewhere, chunked (WIDE)
+    # level; WIDE tiles everywhere (FA3's 2 x 64 rows x 128 keys): q16k 561 TFLOP/s against 566
     pingpong: int = 0
 
     @property
