@@ -30,15 +30,13 @@ for s in $steps; do
               # last cases, tests changed after their run (routing, pingpong/o_buf, Dqk 192), auto, demo
            timeout ${PENDING_S:-420} python3 -m pytest -q -m gpu ${PENDING_FILES:-tests/test_triton_backend.py \
              tests/test_auto_policy.py tests/test_demo.py tests/test_gluon_sm90.py} \
-             -k "${PENDING_K:-not gluon_sm90 or random_grid_tma or default_routing or pingpong or random_grid_mla}" 2>&1 \
+             -k "${PENDING_K:-not gluon_sm90 or random_grid_tma or default_routing or pingpong or random_grid_mla or tile_fence}" 2>&1 \
              | tee "$OUT/pending-tests.log" | tail -5 ;;
     probe) W=${PROBE_W:-llama8b_b1_q16k,llama8b_b4_q4k,llama8b_b16_q1k,page64_b16_q1k,mla192_b4_q4k,chunked_b8_q512_p7680,llama70b_b8_q2k,varlen_b32}
-           # beside cuDNN (the 21:46 probe of bench/results/h200-probe-2026-11-29.log by default): the
-           # shape rule; O in a buffer of its own (o_buf: 4 stages at D 128; stages=4 alone to separate
-           # the two), GEMMs issued in turn (pingpong), both, Dqk 192 staged (dqk192), and pingpong on
-           # WIDE tiles (FA3's 2 x 64 rows x 128 keys) everywhere
+           # beside cuDNN: the shape rule, and on top of it tile_fence=0 (no proxy fence after TMA tiles;
+           # the probes of 2026-11-29 are in bench/results/h200-probe-2026-11-29.log with their configs)
            timeout 400 python3 scripts/tune_triton.py --graph --workloads $W \
-             --configs "${PROBE_CONFIGS:-gluon=1;gluon=1,g.rule=1,g.o_buf=1;gluon=1,g.rule=1,g.stages=4;gluon=1,g.rule=1,g.pingpong=1;gluon=1,g.rule=1,g.pingpong=1,g.o_buf=1;gluon=1,g.rule=1,g.dqk192=1;gluon=1,g.consumers=2,g.BLOCK_N=128,g.consumer_regs=224,g.pingpong=1}" \
+             --configs "${PROBE_CONFIGS:-gluon=1;gluon=1,g.rule=1,g.tile_fence=0}" \
              2>&1 | grep -A80 SUMMARY | tee "$OUT/gluon-probe.log" ;;
     diag)  # per-item costs of the Gluon kernel: no Q copies (8), no O/LSE stores (16), neither (24); wrong results
            W=llama8b_b16_q1k,page64_b16_q1k,llama70b_b8_q2k,llama8b_b4_q4k,llama8b_b1_q16k,mla192_b4_q4k

@@ -50,6 +50,7 @@ def test_config_env_knobs(monkeypatch):
         ("dqk192=2", "dqk192 must be 0 or 1"),
         ("o_buf=2", "o_buf must be 0 or 1"),
         ("pingpong=-1", "pingpong must be 0 or 1"),
+        ("tile_fence=2", "tile_fence must be 0 or 1"),
         ("+q_tma=2", "q_tma must be 0 or 1"),
     ):
         monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", bad)
@@ -267,6 +268,7 @@ WIDE = "," + ",".join(f"{k}={v}" for k, v in gs.WIDE.items())  # 128 x 128 tiles
         (1, ",dqk192=0"),  # Dqk 192: Q by the consumers' cp.async, O stored directly
         (1, ",o_buf=1,pingpong=1"),  # O staged through its own buffer; GEMMs issued in turn
         (0, ",pingpong=1,own_rows=0"),
+        (1, ",tile_fence=0"),  # no proxy fence after TMA tiles
     ],
 )
 def test_compiles_for_sm90(tmp_path, tma, knobs):
@@ -679,6 +681,28 @@ def test_gpu_random_grid_tma(seed, monkeypatch):
     assert gs._tma_plan(batch, gs.config()) is not None or batch.k.shape[0] == 0  # empty ragged cache
     out, lse = call(case, gluon=1, num_splits=1)
     check(case, out, lse, atol=atol_for(params["dtype"]), lse_atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(1600, 1612))
+def test_gpu_random_grid_tile_fence_off(seed, monkeypatch):
+    """Knob tile_fence=0 (the consumers fence the async proxy only after tiles gathered by cp.async,
+    not after TMA tiles): TMA-eligible caches (pages of 16/32/64 tokens, ragged) where each
+    sequence's last tile is gathered, on the shape rule's tiles, 1-3-program grids, Dqk 64 / 128 /
+    192."""
+    monkeypatch.setattr(gs, "_num_sms", lambda device, n=1 + seed % 3: n)
+    monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", "+tile_fence=0")
+    r = random.Random(seed)
+    params = gluon_params(seed)
+    params["page_size"] = r.choice([0, 16, 32, 64])
+    if seed % 4 == 3:
+        params.update(dqk=192, dvo=128)
+        if params["kv_layout"] == "interleaved":  # (one K/V buffer needs Dqk = Dvo)
+            params["kv_layout"] = r.choice(["nhd", "hnd"])
+    case = make_case(seed, **params)
+    kwargs = gs.launch_plan(direct_batch(case))[0][3]
+    assert kwargs["TILE_FENCE"] == (not kwargs["USE_TMA"])
+    check_forced(seed, params, case)
 
 
 @pytest.mark.gpu

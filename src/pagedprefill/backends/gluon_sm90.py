@@ -600,6 +600,7 @@ if gluon is not None:
         Q_TMA: gl.constexpr,
         O_STAGE: gl.constexpr,
         PINGPONG: gl.constexpr,
+        TILE_FENCE: gl.constexpr,
     ):
         """One consumer warpgroup: rows [row0 + R0, row0 + R0 + SUB_M) of each work item's block."""
         (
@@ -685,7 +686,12 @@ if gluon is not None:
             if n_walk > 0:  # tile 0: nothing to overlap its softmax with yet
                 s0 = c % STAGES
                 mbarrier.wait(kv_full.index(s0), (c // STAGES) & 1)
-                fence_async_shared()
+                # (a tile gathered by cp.async, generic-proxy writes, before the wgmma's async-proxy
+                # reads; TMA tiles need none: TILE_FENCE 0 skips it for tiles the loader took by TMA)
+                if TILE_FENCE:
+                    fence_async_shared()
+                elif BLOCK_N > kv_len:
+                    fence_async_shared()
                 if PINGPONG:
                     mbarrier.wait(turn.index(ME), t & 1)
                 s_tok = _qk_async(q_sub, q1_sub, k_smem.index(s0), k1_smem.index(s0), s_zero, DQ1)
@@ -705,7 +711,10 @@ if gluon is not None:
                 s = (c + j) % STAGES
                 prev = (c + j - 1) % STAGES
                 mbarrier.wait(kv_full.index(s), ((c + j) // STAGES) & 1)
-                fence_async_shared()
+                if TILE_FENCE:
+                    fence_async_shared()
+                elif (j + 1) * BLOCK_N > kv_len:
+                    fence_async_shared()
                 # S_j = Q K_j^T in flight while O is rescaled for tile j-1 (FA3's order: off the path
                 # from the PV GEMM's wait to the next PV GEMM); then O += P_{j-1} V_{j-1} joins it,
                 # and softmax(S_j) overlaps the PV GEMM. PINGPONG: the warpgroups issue these two
@@ -867,6 +876,7 @@ if gluon is not None:
         Q_TMA: gl.constexpr,
         O_STAGE: gl.constexpr,
         PINGPONG: gl.constexpr,
+        TILE_FENCE: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each (BLOCK_M = 64 * NC); the
@@ -1011,6 +1021,7 @@ if gluon is not None:
                             Q_TMA,
                             O_STAGE,
                             PINGPONG,
+                            TILE_FENCE,
                         ),
                     ),
                     (
@@ -1035,6 +1046,7 @@ if gluon is not None:
                             Q_TMA,
                             O_STAGE,
                             PINGPONG,
+                            TILE_FENCE,
                         ),
                     ),
                     (
@@ -1095,6 +1107,7 @@ if gluon is not None:
                             Q_TMA,
                             O_STAGE,
                             PINGPONG,
+                            TILE_FENCE,
                         ),
                     ),
                     (
@@ -1119,6 +1132,7 @@ if gluon is not None:
                             Q_TMA,
                             O_STAGE,
                             PINGPONG,
+                            TILE_FENCE,
                         ),
                     ),
                     (
@@ -1143,6 +1157,7 @@ if gluon is not None:
                             Q_TMA,
                             O_STAGE,
                             PINGPONG,
+                            TILE_FENCE,
                         ),
                     ),
                     (
@@ -1259,6 +1274,11 @@ class Config:
     # Measured on the rule's tiles: -12% b4_q4k, -7% varlen, -1 to -2.4% elsewhere, chunked (WIDE)
     # level; WIDE tiles everywhere (FA3's 2 x 64 rows x 128 keys): q16k 561 TFLOP/s against 566
     pingpong: int = 0
+    # 1: the consumers fence the async proxy after every key tile's kv_full wait (MEMBAR.ALL.CTA +
+    # FENCE.VIEW.ASYNC.S in the SASS key loop); 0: only after tiles gathered by cp.async (generic-
+    # proxy writes), not after those the load warps took by TMA (async proxy, as wgmma reads).
+    # Compiled, not yet run on a GPU
+    tile_fence: int = 1
 
     @property
     def BLOCK_M(self) -> int:
@@ -1345,6 +1365,8 @@ def config(batch: PrefillBatch | None = None) -> Config:
         why = f"o_buf must be 0 or 1, got {cfg.o_buf}"
     elif cfg.pingpong not in (0, 1):
         why = f"pingpong must be 0 or 1, got {cfg.pingpong}"
+    elif cfg.tile_fence not in (0, 1):
+        why = f"tile_fence must be 0 or 1, got {cfg.tile_fence}"
     if why:
         raise ValueError(f"PAGEDPREFILL_GLUON_CONFIG: {why}")
     return cfg
@@ -1549,6 +1571,7 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
         Q_TMA=q_desc is not None,
         O_STAGE=o_stage_mode(batch, cfg),
         PINGPONG=bool(cfg.pingpong),
+        TILE_FENCE=bool(cfg.tile_fence or not tma_plan),  # (without TMA every tile is gathered)
         num_warps=4,
     )
     return [(_attention_kernel, (grid,), args, kwargs)]
