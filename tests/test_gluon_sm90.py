@@ -51,6 +51,7 @@ def test_config_env_knobs(monkeypatch):
         ("o_buf=2", "o_buf must be 0 or 1"),
         ("pingpong=-1", "pingpong must be 0 or 1"),
         ("tile_fence=2", "tile_fence must be 0 or 1"),
+        ("tma=2", "tma must be 0 or 1"),
         ("+q_tma=2", "q_tma must be 0 or 1"),
     ):
         monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", bad)

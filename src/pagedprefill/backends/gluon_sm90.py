@@ -1287,6 +1287,7 @@ class Config:
 
 DEFAULT = Config()
 _ENV_KEYS = {f.name for f in fields(Config)}
+_SWITCHES = ("tma", "own_rows", "dynamic", "q_tma", "o_stage", "dqk192", "o_buf", "pingpong", "tile_fence")
 # Benchmark diagnostics only, never for results: bit 0 skips the K/V copies, bit 1 the softmax,
 # bit 2 the V copies, bit 3 the Q copies, bit 4 the O / LSE stores (so the pipeline's compute-only
 # and load-only speeds and the per-item costs can be measured).
@@ -1351,22 +1352,10 @@ def config(batch: PrefillBatch | None = None) -> Config:
         why = f"persistent must be 0 (off) or 1-4 programs per SM, got {cfg.persistent}"
     elif cfg.chunk < 0:
         why = f"chunk must be >= 0 (0: all pairs in one chunk), got {cfg.chunk}"
-    elif cfg.own_rows not in (0, 1):
-        why = f"own_rows must be 0 or 1, got {cfg.own_rows}"
-    elif cfg.dynamic not in (0, 1):
-        why = f"dynamic must be 0 or 1, got {cfg.dynamic}"
-    elif cfg.q_tma not in (0, 1):
-        why = f"q_tma must be 0 or 1, got {cfg.q_tma}"
-    elif cfg.o_stage not in (0, 1):
-        why = f"o_stage must be 0 or 1, got {cfg.o_stage}"
-    elif cfg.dqk192 not in (0, 1):
-        why = f"dqk192 must be 0 or 1, got {cfg.dqk192}"
-    elif cfg.o_buf not in (0, 1):
-        why = f"o_buf must be 0 or 1, got {cfg.o_buf}"
-    elif cfg.pingpong not in (0, 1):
-        why = f"pingpong must be 0 or 1, got {cfg.pingpong}"
-    elif cfg.tile_fence not in (0, 1):
-        why = f"tile_fence must be 0 or 1, got {cfg.tile_fence}"
+    else:
+        bad = [k for k in _SWITCHES if getattr(cfg, k) not in (0, 1)]
+        if bad:
+            why = f"{bad[0]} must be 0 or 1, got {getattr(cfg, bad[0])}"
     if why:
         raise ValueError(f"PAGEDPREFILL_GLUON_CONFIG: {why}")
     return cfg
