@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: install, GPU tests, smoke checks, benchmark. Logs go to $OUT.
 # Usage (on the GPU machine, from the repo root): bash scripts/gpu_session.sh [steps...]
-# steps: tests smoke bench graph serving overhead timeline profile gluon pending probe diag (default: tests smoke bench).
+# steps: tests sharded smoke bench graph serving overhead timeline profile gluon pending probe diag
+# (default: tests smoke bench). sharded: every GPU test in $SHARDS parallel pytest processes.
 # Extra pytest args via PYTEST_ARGS, bench args via BENCH_ARGS.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -17,6 +18,7 @@ for s in $steps; do
   echo "=== $s $(date +%T)"
   case $s in
     tests) timeout 420 python3 -m pytest -q -x -m gpu ${PYTEST_ARGS:-} tests 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    sharded) bash scripts/gpu_tests_sharded.sh 2>&1 | tee "$OUT/sharded-tests.log" | tail -30 ;;
     smoke) timeout 200 python3 scripts/cudnn_smoke.py 2>&1 | tee "$OUT/smoke.log" | tail -40 ;;
     bench) timeout 500 python3 -m pagedprefill.bench ${BENCH_ARGS:-} --out-json "$OUT/h200.json" --plot "$OUT/h200.png" --markdown "$OUT/table.md" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
     graph) timeout 300 python3 -m pagedprefill.bench --cuda-graph --backends cudnn,triton --out-json "$OUT/h200-graph.json" 2>&1 | tee "$OUT/bench-graph.log" | tail -16 ;;
@@ -33,10 +35,11 @@ for s in $steps; do
              -k "${PENDING_K:-not gluon_sm90 or random_grid_tma or default_routing or pingpong or random_grid_mla or tile_fence}" 2>&1 \
              | tee "$OUT/pending-tests.log" | tail -5 ;;
     probe) W=${PROBE_W:-llama8b_b1_q16k,llama8b_b4_q4k,llama8b_b16_q1k,page64_b16_q1k,mla192_b4_q4k,chunked_b8_q512_p7680,llama70b_b8_q2k,varlen_b32}
-           # beside cuDNN: the shape rule, and on top of it tile_fence=0 (no proxy fence after TMA tiles;
-           # the probes of 2026-11-29 are in bench/results/h200-probe-2026-11-29.log with their configs)
-           timeout 400 python3 scripts/tune_triton.py --graph --workloads $W \
-             --configs "${PROBE_CONFIGS:-gluon=1;gluon=1,g.rule=1,g.tile_fence=0}" \
+           # beside cuDNN: the shape rule, and on top of it tile_fence=0 (no proxy fence after TMA tiles)
+           # and poly_exp=2 / 4 (exp2 partly on the FMA pipe); earlier probes with their configs:
+           # bench/results/h200-probe-2026-11-*.log
+           timeout ${PROBE_S:-400} python3 scripts/tune_triton.py --graph --workloads $W \
+             --configs "${PROBE_CONFIGS:-gluon=1;gluon=1,g.rule=1,g.tile_fence=0;gluon=1,g.rule=1,g.poly_exp=2;gluon=1,g.rule=1,g.poly_exp=4}" \
              2>&1 | grep -A80 SUMMARY | tee "$OUT/gluon-probe.log" ;;
     diag)  # per-item costs of the Gluon kernel: no Q copies (8), no O/LSE stores (16), neither (24); wrong results
            W=llama8b_b16_q1k,page64_b16_q1k,llama70b_b8_q2k,llama8b_b4_q4k,llama8b_b1_q16k,mla192_b4_q4k
