@@ -733,9 +733,13 @@ if gluon is not None:
                     if n_walk == 1:
                         mbarrier.arrive(q_empty)
                 if full_own > 0:
-                    p, m_i, l_i, alpha0 = _softmax(sc, m_i, l_i, qk_scale, 0, diag, kv_len, False, CAUSAL, POLY_EXP)
+                    p, m_i, l_i, alpha0 = _softmax(
+                        sc, m_i, l_i, qk_scale, 0, diag, kv_len, False, CAUSAL, POLY_EXP
+                    )
                 else:
-                    p, m_i, l_i, alpha0 = _softmax(sc, m_i, l_i, qk_scale, 0, diag, kv_len, True, CAUSAL, POLY_EXP)
+                    p, m_i, l_i, alpha0 = _softmax(
+                        sc, m_i, l_i, qk_scale, 0, diag, kv_len, True, CAUSAL, POLY_EXP
+                    )
                 p_op = gl.convert_layout(p.to(dtype), P_L)
             for j in range(1, n_walk):
                 s = (c + j) % STAGES
