@@ -183,17 +183,35 @@ def poison(t: torch.Tensor) -> torch.Tensor:
     return t.fill_(float("nan"))
 
 
-def _dequant(t: torch.Tensor, s) -> torch.Tensor:
-    t = t.cpu().to(torch.float64)
+def _dequant(t: torch.Tensor, s, device: torch.device | None = None) -> torch.Tensor:
+    t = t.to(device or "cpu").to(torch.float64)
     return t * float(s.item()) if isinstance(s, torch.Tensor) else t
 
 
+def _seq_kv(case: Case, k: torch.Tensor, v: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence ``b``'s K and V, (lkv, Hkv, D) each, gathered key by key from the raw caches."""
+    lkv = case.lens_kv[b]
+    if case.info["page_size"] > 0:
+        ps = case.info["page_size"]
+        j = torch.arange(lkv)
+        pages = case.info["block_tables"][b].long().cpu()[j // ps]
+        pages, slots = pages.to(k.device), (j % ps).to(k.device)
+        return k[pages, :, slots, :], v[pages, :, slots, :]
+    s0 = case.info["k_start"][b]
+    return k[s0 : s0 + lkv], v[s0 : s0 + lkv]
+
+
 def reference(case: Case) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-    """float64 results: {out row: (Hq, Dvo)} and {flat lse offset of the row: (Hq,)} for covered rows."""
+    """float64 results: {out row: (Hq, Dvo)} and {flat lse offset of the row: (Hq,)} for covered rows.
+
+    Per sequence, K/V are materialised once and blocks of query rows are computed at a time with an
+    explicit (causal, bottom-right) mask, on the device the case lives on (CUDA float64 on a GPU);
+    the results are returned on the CPU. Rows without a visible key get out 0 and lse -inf."""
     kw = case.kwargs
-    q = _dequant(kw["q"], kw.get("q_scale"))
-    k = _dequant(kw["k_cache"], kw.get("k_scale"))
-    v = _dequant(kw["v_cache"], kw.get("v_scale"))
+    dev = kw["q"].device
+    q = _dequant(kw["q"], kw.get("q_scale"), dev)
+    k = _dequant(kw["k_cache"], kw.get("k_scale"), dev)
+    v = _dequant(kw["v_cache"], kw.get("v_scale"), dev)
     hq, hkv = q.shape[1], k.shape[1]
     group = hq // hkv
     max_q = kw["max_token_per_sequence"]
@@ -201,33 +219,32 @@ def reference(case: Case) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tens
     for b, (lq, lkv) in enumerate(zip(case.lens_q, case.lens_kv)):
         if lq == 0:
             continue
-        if case.info["page_size"] > 0:
-            ps = case.info["page_size"]
-            table = case.info["block_tables"][b]
-            pages = torch.tensor([int(table[j // ps]) for j in range(lkv)], dtype=torch.long)
-            slots = torch.tensor([j % ps for j in range(lkv)], dtype=torch.long)
-            kb = k[pages, :, slots, :]  # (lkv, Hkv, D)
-            vb = v[pages, :, slots, :]
-        else:
-            s0 = case.info["k_start"][b]
-            kb, vb = k[s0 : s0 + lkv], v[s0 : s0 + lkv]
+        kb, vb = _seq_kv(case, k, v, b)
+        kh = kb.repeat_interleave(group, dim=1)  # (lkv, Hq, D)
+        vh = vb.repeat_interleave(group, dim=1)
         qb = q[case.q_start[b] : case.q_start[b] + lq]
+        keys = torch.arange(lkv, device=dev)
+        rows_per_block = max(1, (1 << 24) // (hq * max(lkv, 1)))  # (bounds the score block's size)
+        o_seq, lse_seq = [], []
+        for r0 in range(0, lq, rows_per_block):
+            i = torch.arange(r0, min(lq, r0 + rows_per_block), device=dev)
+            visible = torch.full_like(i, lkv) if not kw["causal"] else (i + lkv - lq + 1).clamp(0, lkv)
+            mask = keys[None, :] < visible[:, None]  # (rows, lkv)
+            s = torch.einsum("ihd,jhd->hij", qb[r0 : r0 + len(i)], kh) * kw["scale"]
+            s = s.masked_fill(~mask, -math.inf)
+            if lkv > 0:
+                m = s.amax(dim=2, keepdim=True)
+            else:
+                m = torch.full((hq, len(i), 1), -math.inf, dtype=s.dtype, device=dev)
+            p = torch.exp(s - torch.where(torch.isfinite(m), m, 0.0))  # (0 where masked)
+            denom = p.sum(dim=2, keepdim=True)
+            o_seq.append(torch.einsum("hij,jhd->ihd", p / torch.where(denom > 0, denom, 1.0), vh))
+            lse_seq.append(torch.where(denom > 0, m + torch.log(denom), -math.inf)[..., 0].T)
+        o_seq, lse_seq = torch.cat(o_seq).cpu(), torch.cat(lse_seq).cpu()
         for i in range(lq):
-            visible = lkv if not kw["causal"] else max(0, min(lkv, i + lkv - lq + 1))
-            o = torch.zeros(hq, v.shape[-1], dtype=torch.float64)
-            lse = torch.full((hq,), -math.inf, dtype=torch.float64)
-            if visible > 0:
-                kh = kb[:visible].repeat_interleave(group, dim=1)  # (vis, Hq, D)
-                vh = vb[:visible].repeat_interleave(group, dim=1)
-                s = torch.einsum("hd,jhd->hj", qb[i], kh) * kw["scale"]
-                m = s.max(dim=1, keepdim=True).values
-                p = torch.exp(s - m)
-                denom = p.sum(dim=1, keepdim=True)
-                o = torch.einsum("hj,jhd->hd", p / denom, vh)
-                lse = (m + torch.log(denom)).squeeze(1)
-            outs[case.o_start[b] + i] = o
+            outs[case.o_start[b] + i] = o_seq[i]
             lse_off = (case.lse_start[b] if case.lse_start is not None else b * max_q * hq) + i * hq
-            lses[lse_off] = lse
+            lses[lse_off] = lse_seq[i]
     return outs, lses
 
 
@@ -244,13 +261,20 @@ def check(
     ref_out, ref_lse = reference(case)
     out_c = out.detach().cpu().to(torch.float64)
     covered = torch.zeros(out.shape[0], dtype=torch.bool)
-    for row, expected in ref_out.items():
-        covered[row] = True
-        got = out_c[row]
-        assert torch.isfinite(got).all(), f"out row {row} has non-finite values (unwritten?)"
+    if ref_out:
+        rows = torch.tensor(list(ref_out))
+        covered[rows] = True
+        expected = torch.stack(list(ref_out.values()))
+        got = out_c[rows]
+        unwritten = ~torch.isfinite(got).flatten(1).all(dim=1)
+        assert not unwritten.any(), f"out row {rows[unwritten][0].item()} has non-finite values (unwritten?)"
         err = (got - expected).abs()
-        tol = atol + rtol * expected.abs()
-        assert (err <= tol).all(), f"out row {row}: max error {err.max().item():.3g} > tol (atol {atol})"
+        over = (~(err <= atol + rtol * expected.abs())).flatten(1).any(dim=1)
+        if over.any():
+            row = over.nonzero()[0, 0]
+            raise AssertionError(
+                f"out row {rows[row].item()}: max error {err[row].max().item():.3g} > tol (atol {atol})"
+            )
     if case.kwargs.get("out") is not None:
         assert torch.isnan(out_c[~covered]).all(), "an uncovered out row was written"
     else:
@@ -261,13 +285,18 @@ def check(
         hq = out.shape[1]
         touched = torch.zeros(flat.numel(), dtype=torch.bool)
         latol = atol if lse_atol is None else lse_atol
-        for off, expected in ref_lse.items():
-            touched[off : off + hq] = True
-            got = flat[off : off + hq]
+        if ref_lse:
+            idx = torch.tensor(list(ref_lse))[:, None] + torch.arange(hq)  # (rows, Hq) flat offsets
+            touched[idx.flatten()] = True
+            expected = torch.stack(list(ref_lse.values()))
+            got = flat[idx]
             inf = torch.isinf(expected)
-            assert (torch.isinf(got) == inf).all() and (got[inf] < 0).all(), f"lse at {off}: -inf mismatch"
-            assert ((got[~inf] - expected[~inf]).abs() <= latol).all(), (
-                f"lse at {off}: max error {(got[~inf] - expected[~inf]).abs().max().item():.3g}"
+            bad = ((torch.isinf(got) != inf) | (inf & (got > 0))).any(dim=1)
+            assert not bad.any(), f"lse at {idx[bad][0, 0].item()}: -inf mismatch"
+            err = torch.where(inf, 0.0, (got - expected).abs())
+            over = (~(err <= latol)).any(dim=1)  # (NaN: an unwritten entry)
+            assert not over.any(), (
+                f"lse at {idx[over][0, 0].item()}: max error {err[over][0].max().item():.3g}"
             )
         if case.kwargs.get("lse") is not None:
             assert torch.isnan(flat[~touched]).all(), "an uncovered lse entry was written"

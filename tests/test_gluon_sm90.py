@@ -54,7 +54,6 @@ def test_config_env_knobs(monkeypatch):
         ("tma=2", "tma must be 0 or 1"),
         ("+q_tma=2", "q_tma must be 0 or 1"),
         ("chunk=x", "knob 'chunk' takes an integer, got 'x'"),
-        ("poly_exp=3", "poly_exp must be 0 \\(off\\), 2 or 4"),
         ("stages", "knob 'stages' takes an integer"),
     ):
         monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", bad)
@@ -273,7 +272,6 @@ WIDE = "," + ",".join(f"{k}={v}" for k, v in gs.WIDE.items())  # 128 x 128 tiles
         (1, ",o_buf=1,pingpong=1"),  # O staged through its own buffer; GEMMs issued in turn
         (0, ",pingpong=1,own_rows=0"),
         (1, ",tile_fence=0"),  # no proxy fence after TMA tiles
-        (1, ",poly_exp=2"),  # half the softmax's exp2 by a polynomial on the FMA pipe
     ],
 )
 def test_compiles_for_sm90(tmp_path, tma, knobs):
@@ -707,26 +705,6 @@ def test_gpu_random_grid_tile_fence_off(seed, monkeypatch):
     case = make_case(seed, **params)
     kwargs = gs.launch_plan(direct_batch(case))[0][3]
     assert kwargs["TILE_FENCE"] == (not kwargs["USE_TMA"])
-    check_forced(seed, params, case)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("seed", range(1700, 1712))
-def test_gpu_random_grid_poly_exp(seed, monkeypatch):
-    """Knob poly_exp=2 / 4 (one exp2 in each 2 / 4 of the softmax by a polynomial on the FMA pipe;
-    a masked -inf must still give exactly 0): the forced grid's cases on the shape rule's tiles,
-    causal or not, with long sequences on half the seeds, Dqk 64 / 128 / 192."""
-    monkeypatch.setattr(gs, "_num_sms", lambda device, n=1 + seed % 3: n)
-    poly = (2, 4)[seed % 2]
-    monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", f"+poly_exp={poly}")
-    r = random.Random(seed)
-    params = gluon_params(seed, long=True if seed // 2 % 2 else None)
-    if seed % 4 == 3:
-        params.update(dqk=192, dvo=128)
-        if params["kv_layout"] == "interleaved":  # (one K/V buffer needs Dqk = Dvo)
-            params["kv_layout"] = r.choice(["nhd", "hnd"])
-    case = make_case(seed, **params)
-    assert gs.launch_plan(direct_batch(case))[0][3]["POLY_EXP"] == poly
     check_forced(seed, params, case)
 
 

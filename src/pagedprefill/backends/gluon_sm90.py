@@ -77,34 +77,6 @@ LOG2E = 1.4426950408889634
 if gluon is not None:
     ITEM_RING = gl.constexpr(4)  # work items the load warps may hand out ahead (Config.dynamic)
 
-    # POLY_EXP: exp2 of one element in each group of POLY_EXP on the FMA pipe instead of the MUFU
-    # (the multi-function unit does 16 exp2 per clock per SM; a 128 x 64 tile has 8192): round x to
-    # the nearest integer n by the 1.5 * 2^23 trick, 2^(x - n) by a cubic (relative error 1.0e-4,
-    # exactly 1 at 0), n added to the exponent field; x <= -127 (a masked -inf) gives exactly 0
-    _POLY_BODY = (
-        "max.f32 x, {x}, 0fC2FE0000; add.rn.f32 t, x, 0f4B400000; sub.rn.f32 n, t, 0f4B400000; "
-        "sub.rn.f32 f, x, n; fma.rn.f32 p, f, 0f3D6150AE, 0f3E7805FF; fma.rn.f32 p, p, f, 0f3F317AFD; "
-        "fma.rn.f32 p, p, f, 0f3F800000; mov.b32 tb, t; mov.b32 pb, p; shl.b32 tb, tb, 23; "
-        "add.s32 pb, pb, tb; mov.b32 {y}, pb;"
-    )
-
-    def _poly_asm(pack: int) -> str:
-        mufu = " ".join(f"ex2.approx.ftz.f32 ${i}, ${pack + i};" for i in range(pack - 1))
-        poly = _POLY_BODY.format(x=f"${2 * pack - 1}", y=f"${pack - 1}")
-        return "{ .reg .f32 x, t, n, f, p; .reg .b32 tb, pb; " + mufu + " " + poly + " }"
-
-    _POLY_ASM_2 = gl.constexpr(_poly_asm(2))
-    _POLY_ASM_4 = gl.constexpr(_poly_asm(4))
-
-    @gluon.jit
-    def _exp2(x, POLY_EXP: gl.constexpr):
-        if POLY_EXP == 2:
-            return gl.inline_asm_elementwise(_POLY_ASM_2, "=f,=f,f,f", [x], gl.float32, True, 2)
-        elif POLY_EXP == 4:
-            return gl.inline_asm_elementwise(_POLY_ASM_4, "=f,=f,=f,=f,f,f,f,f", [x], gl.float32, True, 4)
-        else:
-            return gl.exp2(x)
-
     @gluon.jit
     def _softmax(
         s,
@@ -116,7 +88,6 @@ if gluon is not None:
         kv_len,
         MASKED: gl.constexpr,
         CAUSAL: gl.constexpr,
-        POLY_EXP: gl.constexpr,
     ):
         """Online-softmax step on one S tile: returns (p, m, l, alpha), p unnormalised (fp32)."""
         if MASKED:
@@ -130,12 +101,12 @@ if gluon is not None:
             s = gl.where(visible, s, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 1))
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet
-            p = _exp2(s - m_use[:, None], POLY_EXP)
+            p = gl.exp2(s - m_use[:, None])
         else:
             # every key visible to every row and qk_scale > 0: max(s) * scale = max(s * scale)
             m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
             m_use = m_new
-            p = _exp2(s * qk_scale - m_use[:, None], POLY_EXP)
+            p = gl.exp2(s * qk_scale - m_use[:, None])
         alpha = gl.exp2(m_i - m_use)
         l_i = l_i * alpha + gl.sum(p, 1)
         return p, m_new, l_i, alpha
@@ -630,7 +601,6 @@ if gluon is not None:
         O_STAGE: gl.constexpr,
         PINGPONG: gl.constexpr,
         TILE_FENCE: gl.constexpr,
-        POLY_EXP: gl.constexpr,
     ):
         """One consumer warpgroup: rows [row0 + R0, row0 + R0 + SUB_M) of each work item's block."""
         (
@@ -733,13 +703,9 @@ if gluon is not None:
                     if n_walk == 1:
                         mbarrier.arrive(q_empty)
                 if full_own > 0:
-                    p, m_i, l_i, alpha0 = _softmax(
-                        sc, m_i, l_i, qk_scale, 0, diag, kv_len, False, CAUSAL, POLY_EXP
-                    )
+                    p, m_i, l_i, alpha0 = _softmax(sc, m_i, l_i, qk_scale, 0, diag, kv_len, False, CAUSAL)
                 else:
-                    p, m_i, l_i, alpha0 = _softmax(
-                        sc, m_i, l_i, qk_scale, 0, diag, kv_len, True, CAUSAL, POLY_EXP
-                    )
+                    p, m_i, l_i, alpha0 = _softmax(sc, m_i, l_i, qk_scale, 0, diag, kv_len, True, CAUSAL)
                 p_op = gl.convert_layout(p.to(dtype), P_L)
             for j in range(1, n_walk):
                 s = (c + j) % STAGES
@@ -770,12 +736,12 @@ if gluon is not None:
                     p = sc
                 elif j * BLOCK_N < full_own:
                     p, m_i, l_i, alpha_s = _softmax(
-                        sc, m_i, l_i, qk_scale, j * BLOCK_N, diag, kv_len, False, CAUSAL, POLY_EXP
+                        sc, m_i, l_i, qk_scale, j * BLOCK_N, diag, kv_len, False, CAUSAL
                     )
                     alpha = gl.convert_layout(alpha_s, gl.SliceLayout(1, O_L))
                 else:
                     p, m_i, l_i, alpha_s = _softmax(
-                        sc, m_i, l_i, qk_scale, j * BLOCK_N, diag, kv_len, True, CAUSAL, POLY_EXP
+                        sc, m_i, l_i, qk_scale, j * BLOCK_N, diag, kv_len, True, CAUSAL
                     )
                     alpha = gl.convert_layout(alpha_s, gl.SliceLayout(1, O_L))
                 acc = warpgroup_mma_wait(0, deps=[o_tok])
@@ -911,7 +877,6 @@ if gluon is not None:
         O_STAGE: gl.constexpr,
         PINGPONG: gl.constexpr,
         TILE_FENCE: gl.constexpr,
-        POLY_EXP: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each (BLOCK_M = 64 * NC); the
@@ -1060,7 +1025,6 @@ if gluon is not None:
                             O_STAGE,
                             PINGPONG,
                             TILE_FENCE,
-                            POLY_EXP,
                         ),
                     ),
                     (
@@ -1086,7 +1050,6 @@ if gluon is not None:
                             O_STAGE,
                             PINGPONG,
                             TILE_FENCE,
-                            POLY_EXP,
                         ),
                     ),
                     (
@@ -1148,7 +1111,6 @@ if gluon is not None:
                             O_STAGE,
                             PINGPONG,
                             TILE_FENCE,
-                            POLY_EXP,
                         ),
                     ),
                     (
@@ -1174,7 +1136,6 @@ if gluon is not None:
                             O_STAGE,
                             PINGPONG,
                             TILE_FENCE,
-                            POLY_EXP,
                         ),
                     ),
                     (
@@ -1200,7 +1161,6 @@ if gluon is not None:
                             O_STAGE,
                             PINGPONG,
                             TILE_FENCE,
-                            POLY_EXP,
                         ),
                     ),
                     (
@@ -1322,9 +1282,6 @@ class Config:
     # proxy writes), not after those the load warps took by TMA (async proxy, as wgmma reads).
     # Compiled, not yet run on a GPU
     tile_fence: int = 1
-    # 2 / 4: the softmax's exp2 for one element in each 2 / 4 by a polynomial on the FMA pipe, the
-    # rest on the MUFU (FA4's split); 0: all on the MUFU. Compiled, not yet run on a GPU
-    poly_exp: int = 0
 
     @property
     def BLOCK_M(self) -> int:
@@ -1403,8 +1360,6 @@ def config(batch: PrefillBatch | None = None) -> Config:
         why = f"persistent must be 0 (off) or 1-4 programs per SM, got {cfg.persistent}"
     elif cfg.chunk < 0:
         why = f"chunk must be >= 0 (0: all pairs in one chunk), got {cfg.chunk}"
-    elif cfg.poly_exp not in (0, 2, 4):
-        why = f"poly_exp must be 0 (off), 2 or 4, got {cfg.poly_exp}"
     else:
         bad = [k for k in _SWITCHES if getattr(cfg, k) not in (0, 1)]
         if bad:
@@ -1614,7 +1569,6 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
         O_STAGE=o_stage_mode(batch, cfg),
         PINGPONG=bool(cfg.pingpong),
         TILE_FENCE=bool(cfg.tile_fence or not tma_plan),  # (without TMA every tile is gathered)
-        POLY_EXP=cfg.poly_exp,
         num_warps=4,
     )
     return [(_attention_kernel, (grid,), args, kwargs)]
