@@ -184,7 +184,7 @@ def poison(t: torch.Tensor) -> torch.Tensor:
 
 
 def _dequant(t: torch.Tensor, s, device: torch.device | None = None) -> torch.Tensor:
-    t = t.to(device or "cpu").to(torch.float64)
+    t = t.to(torch.float32).to(device or "cpu").to(torch.float64)  # (exact for 8- and 16-bit floats)
     return t * float(s.item()) if isinstance(s, torch.Tensor) else t
 
 
