@@ -11,11 +11,11 @@ threads=$(( $(nproc) / N )); export OMP_NUM_THREADS=$(( threads > 0 ? threads : 
 if [ -f "${1:-}" ]; then cp "$1" "$tmp/ids"
 else python3 -m pytest -q --co -m gpu "${@:-tests}" 2>/dev/null | grep '::' >"$tmp/ids"; fi
 echo "$(wc -l <"$tmp/ids") GPU tests in $N shards, $(date +%T)"
-split -n "l/$N" -d "$tmp/ids" "$tmp/ids."
+split -e -n "l/$N" -d "$tmp/ids" "$tmp/ids."  # (-e: no empty shard, which would run every test)
 pids=()
 for f in "$tmp"/ids.[0-9]*; do
   (timeout "${SHARD_S:-400}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE $(cat "$f") \
-     >"$f.log" 2>&1; echo "rc=$?" >>"$f.log") &
+     >"$f.log" 2>&1; printf '\nrc=%s\n' $? >>"$f.log") &
   pids+=($!)
 done
 wait "${pids[@]}"
@@ -25,8 +25,10 @@ for f in "$tmp"/ids.[0-9]*; do
   echo "--- shard ${f##*.}: $(wc -l <"$f") tests, first $(head -1 "$f")"
   tail -3 "$f.log"
   # (with -q, one character per test in list order: the ids that passed)
-  n=$(head -c 100000 "$f.log" | grep -o -E '^[.FEsx]+' | tr -d '\n' | wc -c)
+  n=$(grep -E '^[.FEsx]+( +\[ *[0-9]+%\])?$' "$f.log" | grep -o -E '^[.FEsx]+' | tr -d '\n' | wc -c)
   echo "completed $n: $(head -n "$n" "$f" | tail -1)"
   grep -q '^rc=124' "$f.log" && echo "stopped at the timeout in: $(sed -n "$((n + 1))p" "$f")"
 done
 grep -h -E '^(FAILED|ERROR)' "$tmp"/ids.*.log | sort -u
+rm -rf "$tmp"
+exit 0

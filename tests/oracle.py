@@ -206,7 +206,9 @@ def reference(case: Case) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tens
 
     Per sequence, K/V are materialised once and blocks of query rows are computed at a time with an
     explicit (causal, bottom-right) mask, on the device the case lives on (CUDA float64 on a GPU);
-    the results are returned on the CPU. Rows without a visible key get out 0 and lse -inf."""
+    the results are returned on the CPU. Rows without a visible key get out 0 and lse -inf. A
+    non-finite K/V value among a sequence's first kv_len keys makes all of its rows NaN (masked
+    weights are 0, and 0 * inf is NaN), as in the kernels: the tests draw finite K/V there."""
     kw = case.kwargs
     dev = kw["q"].device
     q = _dequant(kw["q"], kw.get("q_scale"), dev)

@@ -27,25 +27,33 @@ def _random_case(seed: int, **over):
     if not any(lens_q):
         lens_q[0] = 5
     hq, hkv = r.choice([(4, 4), (4, 2), (6, 1), (8, 2)])
+    dqk = r.choice([16, 64])
     params = dict(
         lens_q=lens_q,
         lens_kv=lens_kv,
         hq=hq,
         hkv=hkv,
-        dqk=r.choice([16, 64]),
+        dqk=dqk,
+        dvo=r.choice([dqk, dqk, 32]),
         page_size=r.choice([0, 1, 3, 16]),
-        kv_layout=r.choice(["nhd", "hnd"]),
-        dtype=r.choice([torch.float16, torch.float32]),
+        kv_layout=r.choice(["nhd", "hnd", "interleaved"]),
+        dtype=r.choice([torch.float16, torch.bfloat16, torch.float32]),
+        kv_dtype=r.choice([None, None, torch.float8_e4m3fn, torch.float8_e5m2]),
         causal=r.random() < 0.6,
-        offsets=r.choice(["none", "tokens"]),
+        offsets=r.choice(["none", "elements", "tokens"]),
         gaps=r.random() < 0.5,
+        lse_layout=r.choice(["padded", "packed"]),
         return_lse=True,
     )
+    if params["kv_layout"] == "interleaved":  # (one K/V buffer: Dqk = Dvo)
+        params["dvo"] = dqk
+    if params["kv_dtype"] is not None:  # (fp8 K/V take a 16-bit q)
+        params["dtype"] = r.choice([torch.float16, torch.bfloat16])
     params.update(over)
     return make_case(seed, **params)
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(24))
 def test_reference_agrees_with_reference_rows(seed):
     case = _random_case(seed)
     ref_out, ref_lse = reference(case)
@@ -65,7 +73,14 @@ def test_check_fails_on_each_kind_of_error(seed):
     """A correct result passes; one wrong value, one unwritten (NaN) covered value, one write to an
     uncovered row, one wrong or unwritten lse entry, and a finite lse where -inf is due each fail."""
     case = _random_case(
-        100 + seed, lens_q=[7, 0, 12], lens_kv=[3, 4, 20], causal=True, gaps=True, offsets="tokens"
+        100 + seed,
+        lens_q=[7, 0, 12],
+        lens_kv=[3, 4, 20],
+        causal=True,
+        gaps=True,
+        offsets="tokens",
+        dtype=torch.float32,
+        kv_dtype=None,
     )
     out, lse = cudnn_batch_prefill_with_kv_cache(**case.kwargs, backend="torch")
     check(case, out, lse, atol=2e-3)
