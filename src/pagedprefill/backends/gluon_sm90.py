@@ -1280,7 +1280,8 @@ class Config:
     # 1: the consumers fence the async proxy after every key tile's kv_full wait (MEMBAR.ALL.CTA +
     # FENCE.VIEW.ASYNC.S in the SASS key loop); 0: only after tiles gathered by cp.async (generic-
     # proxy writes), not after those the load warps took by TMA (async proxy, as wgmma reads).
-    # Compiled, not yet run on a GPU
+    # 0 measured level on the H200 (-1.0% to +1.1%, bench/results/h200-probe-2026-11-29.log, 23:20
+    # UTC); its GPU test grid has not run yet
     tile_fence: int = 1
 
     @property
