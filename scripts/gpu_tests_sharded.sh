@@ -11,6 +11,7 @@ threads=$(( $(nproc) / N )); export OMP_NUM_THREADS=$(( threads > 0 ? threads : 
 if [ -f "${1:-}" ]; then cp "$1" "$tmp/ids"
 else python3 -m pytest -q --co -m gpu "${@:-tests}" 2>/dev/null | grep '::' >"$tmp/ids"; fi
 echo "$(wc -l <"$tmp/ids") GPU tests in $N shards, $(date +%T)"
+if [ ! -s "$tmp/ids" ]; then echo "no tests to run"; rm -rf "$tmp"; exit 0; fi  # (else pytest would run them all)
 split -e -n "l/$N" -d "$tmp/ids" "$tmp/ids."  # (-e: no empty shard, which would run every test)
 pids=()
 for f in "$tmp"/ids.[0-9]*; do

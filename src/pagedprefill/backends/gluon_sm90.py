@@ -1281,7 +1281,7 @@ class Config:
     # FENCE.VIEW.ASYNC.S in the SASS key loop); 0: only after tiles gathered by cp.async (generic-
     # proxy writes), not after those the load warps took by TMA (async proxy, as wgmma reads).
     # 0 measured level on the H200 (-1.0% to +1.1%, bench/results/h200-probe-2026-11-29.log, 23:20
-    # UTC); its GPU test grid has not run yet
+    # UTC); its 12-case GPU test grid passed (bench/results/h200-gpu-tests-2026-11-30.log)
     tile_fence: int = 1
 
     @property
