@@ -51,6 +51,7 @@ def test_config_env_knobs(monkeypatch):
         ("o_buf=2", "o_buf must be 0 or 1"),
         ("pingpong=-1", "pingpong must be 0 or 1"),
         ("tile_fence=2", "tile_fence must be 0 or 1"),
+        ("v_ring=3", "v_ring must be 0 or 1"),
         ("tma=2", "tma must be 0 or 1"),
         ("+q_tma=2", "q_tma must be 0 or 1"),
         ("chunk=x", "knob 'chunk' takes an integer, got 'x'"),
@@ -123,6 +124,28 @@ def test_stages_fit_shared_memory():
         n = gs.stages(batch, cfg)
         assert n == want
         assert 2 * (cfg.BLOCK_M * dqk + n * cfg.BLOCK_N * (dqk + dvo)) <= gs.SMEM_BYTES
+
+
+def test_v_ring_gives_k_a_stage_where_it_fits():
+    """v_ring: V keeps stages() slots, K one more where Q and both rings fit (D 128 6 / 5, Dqk 192
+    4 / 3, WIDE 3 / 3, o_buf at D 128 4 / 4); without it one ring of stages() slots."""
+    on = dataclasses.replace(gs.DEFAULT, v_ring=1)
+    wide = dataclasses.replace(on, **gs.WIDE)
+    for (dqk, dvo), cfg, want in (
+        ((128, 128), on, (6, 5)),
+        ((192, 128), on, (4, 3)),
+        ((64, 64), on, (6, 5)),
+        ((128, 128), wide, (3, 3)),
+        ((128, 128), dataclasses.replace(on, o_buf=1), (4, 4)),
+        ((128, 128), gs.DEFAULT, (5, 5)),
+        ((192, 128), gs.DEFAULT, (3, 3)),
+    ):
+        case = make_case(1, lens_q=[5], lens_kv=[9], hq=4, hkv=2, dqk=dqk, dvo=dvo, dtype=torch.bfloat16)
+        batch = direct_batch(case)
+        k, v = gs.ring_stages(batch, cfg)
+        assert (k, v) == want, (dqk, cfg)
+        q_bytes = cfg.BLOCK_M * (dqk + (dvo if cfg.o_buf else 0))
+        assert 2 * (q_bytes + cfg.BLOCK_N * (k * dqk + v * dvo)) <= gs.SMEM_BYTES
 
 
 def test_o_buf_takes_room_from_the_ring_and_needs_staging():
@@ -272,6 +295,9 @@ WIDE = "," + ",".join(f"{k}={v}" for k, v in gs.WIDE.items())  # 128 x 128 tiles
         (1, ",o_buf=1,pingpong=1"),  # O staged through its own buffer; GEMMs issued in turn
         (0, ",pingpong=1,own_rows=0"),
         (1, ",tile_fence=0"),  # no proxy fence after TMA tiles
+        (1, ",v_ring=1"),  # V in a ring of its own (K released after its QK GEMM)
+        (0, ",v_ring=1,own_rows=1"),
+        (1, WIDE + ",v_ring=1,tile_fence=0"),
     ],
 )
 def test_compiles_for_sm90(tmp_path, tma, knobs):
@@ -706,6 +732,65 @@ def test_gpu_random_grid_tile_fence_off(seed, monkeypatch):
     kwargs = gs.launch_plan(direct_batch(case))[0][3]
     assert kwargs["TILE_FENCE"] == (not kwargs["USE_TMA"])
     check_forced(seed, params, case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(1700, 1720))
+def test_gpu_random_grid_v_ring(seed, monkeypatch):
+    """Knob v_ring=1 (V in a ring of its own; a K stage released after its QK GEMM): on the shape
+    rule's tiles (64-key or WIDE), half the cases with long sequences (many tiles, both rings wrap
+    across items), pages of 0/1/3/16/64 (gather and TMA; a gathered last tile), Dqk 64 / 128 / 192,
+    1-3-program grids, both schedules; every fourth seed with ping-pong, every fifth without
+    own_rows, every third with tile_fence=0. The launch's rings are asserted."""
+    monkeypatch.setattr(gs, "_num_sms", lambda device, n=1 + seed % 3: n)
+    knobs = f"+v_ring=1,dynamic={seed // 2 % 2}"
+    knobs += ",pingpong=1" if seed % 4 == 0 else ""
+    knobs += ",own_rows=0" if seed % 5 == 0 else ""
+    knobs += ",tile_fence=0" if seed % 3 == 0 else ""
+    monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", knobs)
+    r = random.Random(seed)
+    params = gluon_params(seed, long=seed % 2 == 1)
+    params["page_size"] = r.choice([0, 1, 3, 16, 16, 64])
+    if seed % 4 == 3:
+        params.update(dqk=192, dvo=128)
+        if params["kv_layout"] == "interleaved":  # (one K/V buffer needs Dqk = Dvo)
+            params["kv_layout"] = r.choice(["nhd", "hnd"])
+    case = make_case(seed, **params)
+    batch = direct_batch(case)
+    kwargs = gs.launch_plan(batch)[0][3] if batch.max_q else {"V_RING": True}
+    assert kwargs["V_RING"]
+    if batch.max_q:
+        assert (kwargs["STAGES"], kwargs["V_STAGES"]) == gs.ring_stages(batch, gs.config(batch))
+    check_forced(seed, params, case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "group, dqk, knobs", [(4, 128, ""), (4, 192, ""), (4, 128, WIDE), (3, 128, ",stages=2")]
+)
+def test_gpu_v_ring_tile_boundaries(group, dqk, knobs, monkeypatch):
+    """v_ring=1 with own_rows where consumers' ranges end one key either side of tile boundaries, on
+    a 2-program grid (the rings' phases carried across items): 64-key tiles (6 K / 5 V stages at
+    D 128, 4 / 3 at Dqk 192), WIDE tiles (3 / 3), and 2-stage rings."""
+    monkeypatch.setattr(gs, "_num_sms", lambda device: 2)
+    monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", "v_ring=1" + knobs)
+    case = make_case(
+        52,
+        lens_q=[40, 41, 150, 90, 700],
+        lens_kv=[65, 84, 100, 2000, 1300],
+        hq=2 * group,
+        hkv=2,
+        dqk=dqk,
+        dvo=128,
+        page_size=16,
+        dtype=torch.bfloat16,
+        causal=True,
+        return_lse=True,
+        device="cuda",
+    )
+    assert gs.unavailable_reason(direct_batch(case)) is None
+    out, lse = call(case, gluon=1, num_splits=1)
+    check(case, out, lse, atol=atol_for(torch.bfloat16), lse_atol=2e-2)
 
 
 @pytest.mark.gpu

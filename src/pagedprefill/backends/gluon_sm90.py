@@ -402,6 +402,7 @@ if gluon is not None:
         BLOCK_M: gl.constexpr,
         CAUSAL: gl.constexpr,
         Q_TMA: gl.constexpr,
+        V_RING: gl.constexpr,
     ):
         """Load warps: fill stage c % STAGES with the program's c-th key tile (counted across its work
         items) once every consumer released it.
@@ -410,9 +411,12 @@ if gluon is not None:
         count = load threads). TMA mode (barrier count 1): tiles wholly below kv_len arrive as
         bulk-tensor copies of PAGE_BOX rows each, completing on the barrier's byte count; the tile
         that crosses kv_len is gathered with cp.async (rows past the keys zero-filled, so stale
-        cache slots never reach the PV GEMM) and signalled once all load threads' copies landed."""
-        k_smem, k1_smem, v_smem, kv_full, kv_empty, total, items, qload = args
+        cache slots never reach the PV GEMM) and signalled once all load threads' copies landed.
+        V_RING: V tiles go to slot c % V_STAGES of a ring of their own (v_full / v_empty), after the
+        tile's K, so a K stage comes free at its QK GEMM and K runs further ahead of the consumers."""
+        k_smem, k1_smem, v_smem, kv_full, kv_empty, total, items, qload, v_full, v_empty = args
         NCQ: gl.constexpr = BLOCK_M // 64  # (consumers: Q slots)
+        V_STAGES: gl.constexpr = v_smem.shape[0]  # (V_RING: V's own ring; else STAGES)
         K, V, num_pages = gather[0], gather[1], gather[2]
         k_page_rows, k_head_off, v_page_rows, v_head_off = tma_ints
         c = gl.program_id(0) * 0  # tiles this program has loaded so far
@@ -447,6 +451,9 @@ if gluon is not None:
             for t in range(n_tiles):
                 s = (c + t) % STAGES
                 mbarrier.wait(kv_empty.index(s), (((c + t) // STAGES) & 1) ^ 1)
+                sv = s
+                if V_RING:  # (V into its own ring once its slot is free: K first)
+                    sv = (c + t) % V_STAGES
                 if Q_TMA:
                     if t == q_at:
                         _issue_q(q_desc, qload, r, row0, q_start, kv_head, n_tiles, GROUP, NCQ, DQ1, DBG)
@@ -456,7 +463,8 @@ if gluon is not None:
                             mbarrier.arrive(kv_full.index(s))
                         else:
                             mbarrier.expect(
-                                kv_full.index(s), 2 * BLOCK_N * (DQ0 + DQ1 + (0 if (DBG & 4) != 0 else DVO))
+                                kv_full.index(s),
+                                2 * BLOCK_N * (DQ0 + DQ1 + (0 if ((DBG & 4) != 0 or V_RING) else DVO)),
                             )
                         for p in gl.static_range(BLOCK_N // PAGE_BOX):
                             pos = t * BLOCK_N + p * PAGE_BOX  # one box never crosses a page
@@ -479,13 +487,32 @@ if gluon is not None:
                                     tma.async_copy_global_to_shared(
                                         k1_desc, [kr, kc + DQ0], kv_full.index(s), k1_dst
                                     )
-                                if (DBG & 4) == 0:
+                                if (DBG & 4) == 0 and not V_RING:
                                     tma.async_copy_global_to_shared(v_desc, [vr, vc], kv_full.index(s), v_dst)
+                        if V_RING:
+                            mbarrier.wait(v_empty.index(sv), (((c + t) // V_STAGES) & 1) ^ 1)
+                            if (DBG & 5) != 0:  # diagnostics: no V copies
+                                mbarrier.arrive(v_full.index(sv))
+                            else:
+                                mbarrier.expect(v_full.index(sv), 2 * BLOCK_N * DVO)
+                                for p in gl.static_range(BLOCK_N // PAGE_BOX):
+                                    pos = t * BLOCK_N + p * PAGE_BOX
+                                    if PAGE_SIZE == 0:
+                                        v_row = v_start + pos
+                                    else:
+                                        page = gl.load(BT_row + pos // PAGE_SIZE)
+                                        page = gl.minimum(gl.maximum(page, 0), num_pages - 1)
+                                        v_row = page * v_page_rows + pos % PAGE_SIZE
+                                    vr, vc = _tma_coords(v_row, kv_head, v_head_off, V_HEAD_ROWS)
+                                    v_dst = v_smem.index(sv).slice(p * PAGE_BOX, PAGE_BOX)
+                                    tma.async_copy_global_to_shared(v_desc, [vr, vc], v_full.index(sv), v_dst)
                     else:
+                        if V_RING:
+                            mbarrier.wait(v_empty.index(sv), (((c + t) // V_STAGES) & 1) ^ 1)
                         _gather_kv(
                             k_smem.index(s),
                             k1_smem.index(s),
-                            v_smem.index(s),
+                            v_smem.index(sv),
                             t,
                             hi,
                             g,
@@ -501,11 +528,15 @@ if gluon is not None:
                         async_copy.wait_group(0)
                         # (arrive follows a barrier of the load warps: all their copies have landed)
                         mbarrier.arrive(kv_full.index(s))
+                        if V_RING:
+                            mbarrier.arrive(v_full.index(sv))
                 else:
+                    if V_RING:
+                        mbarrier.wait(v_empty.index(sv), (((c + t) // V_STAGES) & 1) ^ 1)
                     _gather_kv(
                         k_smem.index(s),
                         k1_smem.index(s),
-                        v_smem.index(s),
+                        v_smem.index(sv),
                         t,
                         hi,
                         g,
@@ -518,6 +549,8 @@ if gluon is not None:
                         DBG,
                     )
                     async_copy.mbarrier_arrive(kv_full.index(s), increment_count=False)
+                    if V_RING:  # (it also waits for the K copies: every earlier cp.async of the thread)
+                        async_copy.mbarrier_arrive(v_full.index(sv), increment_count=False)
             if Q_TMA:
                 if q_at == n_tiles:
                     _issue_q(q_desc, qload, r, row0, q_start, kv_head, n_tiles, GROUP, NCQ, DQ1, DBG)
@@ -601,8 +634,10 @@ if gluon is not None:
         O_STAGE: gl.constexpr,
         PINGPONG: gl.constexpr,
         TILE_FENCE: gl.constexpr,
+        V_RING: gl.constexpr,
     ):
-        """One consumer warpgroup: rows [row0 + R0, row0 + R0 + SUB_M) of each work item's block."""
+        """One consumer warpgroup: rows [row0 + R0, row0 + R0 + SUB_M) of each work item's block.
+        V_RING: a tile's K stage is released after its QK GEMM, its V slot after its PV GEMM."""
         (
             Q,
             stride_qt,
@@ -626,8 +661,11 @@ if gluon is not None:
             q_empty,
             o_smem,
             turn,
+            v_full,
+            v_empty,
         ) = args
         dtype: gl.constexpr = q_smem.dtype
+        V_STAGES: gl.constexpr = v_smem.shape[0]
         ME: gl.constexpr = R0 // SUB_M
         NEXT: gl.constexpr = (ME + 1) % (BLOCK_M // SUB_M)
         # Q_TMA: the slot goes back to the load warps after this warpgroup's last QK GEMM of an item,
@@ -699,6 +737,8 @@ if gluon is not None:
                     mbarrier.arrive(turn.index(NEXT))
                     t += 1
                 sc = warpgroup_mma_wait(0, deps=[s_tok])
+                if V_RING:
+                    mbarrier.arrive(kv_empty.index(s0))
                 if Q_EARLY:
                     if n_walk == 1:
                         mbarrier.arrive(q_empty)
@@ -724,11 +764,21 @@ if gluon is not None:
                 s_tok = _qk_async(q_sub, q1_sub, k_smem.index(s), k1_smem.index(s), s_zero, DQ1)
                 if j > 1:  # (tile 0 left O zero)
                     acc = acc * alpha[:, None]
-                o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                vprev = prev
+                if V_RING:
+                    vprev = (c + j - 1) % V_STAGES
+                    mbarrier.wait(v_full.index(vprev), ((c + j - 1) // V_STAGES) & 1)
+                    if TILE_FENCE:
+                        fence_async_shared()
+                    elif j * BLOCK_N > kv_len:  # (tile j - 1 was gathered)
+                        fence_async_shared()
+                o_tok = warpgroup_mma(p_op, v_smem.index(vprev), acc, is_async=True)
                 if PINGPONG:
                     mbarrier.arrive(turn.index(NEXT))
                     t += 1
                 sc = warpgroup_mma_wait(1, deps=[s_tok])
+                if V_RING:  # (K_j read: the QK GEMM is retired)
+                    mbarrier.arrive(kv_empty.index(s))
                 if Q_EARLY:
                     if j == n_walk - 1:
                         mbarrier.arrive(q_empty)
@@ -745,15 +795,29 @@ if gluon is not None:
                     )
                     alpha = gl.convert_layout(alpha_s, gl.SliceLayout(1, O_L))
                 acc = warpgroup_mma_wait(0, deps=[o_tok])
-                mbarrier.arrive(kv_empty.index(prev))
+                if V_RING:
+                    mbarrier.arrive(v_empty.index(vprev))
+                else:
+                    mbarrier.arrive(kv_empty.index(prev))
                 p_op = gl.convert_layout(p.to(dtype), P_L)
             if n_walk > 0:
                 last = (c + n_walk - 1) % STAGES
                 if n_walk > 1:
                     acc = acc * alpha[:, None]
-                o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=[o_tok])
-                mbarrier.arrive(kv_empty.index(last))
+                if V_RING:
+                    vlast = (c + n_walk - 1) % V_STAGES
+                    mbarrier.wait(v_full.index(vlast), ((c + n_walk - 1) // V_STAGES) & 1)
+                    if TILE_FENCE:
+                        fence_async_shared()
+                    elif n_walk * BLOCK_N > kv_len:
+                        fence_async_shared()
+                    o_tok = warpgroup_mma(p_op, v_smem.index(vlast), acc, is_async=True)
+                    acc = warpgroup_mma_wait(0, deps=[o_tok])
+                    mbarrier.arrive(v_empty.index(vlast))
+                else:
+                    o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+                    acc = warpgroup_mma_wait(0, deps=[o_tok])
+                    mbarrier.arrive(kv_empty.index(last))
             if OWN_ROWS:  # tiles past this warpgroup's last key: released unread, in ring order
                 for j in range(n_walk, n_tiles):
                     mbarrier.wait(kv_full.index((c + j) % STAGES), ((c + j) // STAGES) & 1)
@@ -762,6 +826,9 @@ if gluon is not None:
                         mbarrier.arrive(turn.index(NEXT))
                         t += 1
                     mbarrier.arrive(kv_empty.index((c + j) % STAGES))
+                    if V_RING:
+                        mbarrier.wait(v_full.index((c + j) % V_STAGES), ((c + j) // V_STAGES) & 1)
+                        mbarrier.arrive(v_empty.index((c + j) % V_STAGES))
             c += n_tiles
 
             has_key = l_i > 0.0
@@ -877,6 +944,8 @@ if gluon is not None:
         O_STAGE: gl.constexpr,
         PINGPONG: gl.constexpr,
         TILE_FENCE: gl.constexpr,
+        V_STAGES: gl.constexpr,
+        V_RING: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each (BLOCK_M = 64 * NC); the
@@ -894,7 +963,7 @@ if gluon is not None:
 
         q_smem = gl.allocate_shared_memory(dtype, [NC, SUB_M, DQ0], SMEM)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DQ0], SMEM)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DVO], SMEM)
+        v_smem = gl.allocate_shared_memory(dtype, [V_STAGES, BLOCK_N, DVO], SMEM)
         if DQ1 > 0:
             q1_smem = gl.allocate_shared_memory(dtype, [NC, SUB_M, DQ1], SMEM)
             k1_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DQ1], SMEM)
@@ -906,6 +975,15 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             mbarrier.init(kv_full.index(i), count=1 if USE_TMA else LOAD_WARPS * 32)
             mbarrier.init(kv_empty.index(i), count=NC)
+        if V_RING:  # V tiles in a ring of their own (Config.v_ring); else in the K/V stages
+            v_full = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+            v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(V_STAGES):
+                mbarrier.init(v_full.index(i), count=1 if USE_TMA else LOAD_WARPS * 32)
+                mbarrier.init(v_empty.index(i), count=NC)
+        else:
+            v_full = kv_full
+            v_empty = kv_empty
         # dynamic != 0: items come off the work counter; the load warps hand them to the consumers
         # through a ring of item ids (ITEM_RING slots, with full and empty barriers)
         item_ids = gl.allocate_shared_memory(gl.int32, [ITEM_RING, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -976,8 +1054,21 @@ if gluon is not None:
             q_empty,
             o_smem,
             turn,
+            v_full,
+            v_empty,
         )
-        load = (k_smem, k1_smem, v_smem, kv_full, kv_empty, total, items, (q_smem, q1_smem, q_full, q_empty))
+        load = (
+            k_smem,
+            k1_smem,
+            v_smem,
+            kv_full,
+            kv_empty,
+            total,
+            items,
+            (q_smem, q1_smem, q_full, q_empty),
+            v_full,
+            v_empty,
+        )
         gather = (
             K,
             V,
@@ -1025,6 +1116,7 @@ if gluon is not None:
                             O_STAGE,
                             PINGPONG,
                             TILE_FENCE,
+                            V_RING,
                         ),
                     ),
                     (
@@ -1050,6 +1142,7 @@ if gluon is not None:
                             O_STAGE,
                             PINGPONG,
                             TILE_FENCE,
+                            V_RING,
                         ),
                     ),
                     (
@@ -1079,6 +1172,7 @@ if gluon is not None:
                             BLOCK_M,
                             CAUSAL,
                             Q_TMA,
+                            V_RING,
                         ),
                     ),
                 ],
@@ -1111,6 +1205,7 @@ if gluon is not None:
                             O_STAGE,
                             PINGPONG,
                             TILE_FENCE,
+                            V_RING,
                         ),
                     ),
                     (
@@ -1136,6 +1231,7 @@ if gluon is not None:
                             O_STAGE,
                             PINGPONG,
                             TILE_FENCE,
+                            V_RING,
                         ),
                     ),
                     (
@@ -1161,6 +1257,7 @@ if gluon is not None:
                             O_STAGE,
                             PINGPONG,
                             TILE_FENCE,
+                            V_RING,
                         ),
                     ),
                     (
@@ -1190,6 +1287,7 @@ if gluon is not None:
                             BLOCK_M,
                             CAUSAL,
                             Q_TMA,
+                            V_RING,
                         ),
                     ),
                 ],
@@ -1283,6 +1381,11 @@ class Config:
     # 0 measured level on the H200 (-1.0% to +1.1%, bench/results/h200-probe-2026-11-29.log, 23:20
     # UTC); its 12-case GPU test grid passed (bench/results/h200-gpu-tests-2026-11-30.log)
     tile_fence: int = 1
+    # 1: V tiles in a ring of their own: a K stage is released after its QK GEMM instead of after
+    # the PV GEMM one tile later, so the load warps run K up to two tiles further ahead of the
+    # consumers, and a K stage more fits where Q and the rings leave room (`ring_stages`: Dqk 192
+    # 3 -> 4 K stages, D 128 5 -> 6)
+    v_ring: int = 0
 
     @property
     def BLOCK_M(self) -> int:
@@ -1291,7 +1394,18 @@ class Config:
 
 DEFAULT = Config()
 _ENV_KEYS = {f.name for f in fields(Config)}
-_SWITCHES = ("tma", "own_rows", "dynamic", "q_tma", "o_stage", "dqk192", "o_buf", "pingpong", "tile_fence")
+_SWITCHES = (
+    "tma",
+    "own_rows",
+    "dynamic",
+    "q_tma",
+    "o_stage",
+    "dqk192",
+    "o_buf",
+    "pingpong",
+    "tile_fence",
+    "v_ring",
+)
 # Benchmark diagnostics only, never for results: bit 0 skips the K/V copies, bit 1 the softmax,
 # bit 2 the V copies, bit 3 the Q copies, bit 4 the O / LSE stores (so the pipeline's compute-only
 # and load-only speeds and the per-item costs can be measured).
@@ -1467,15 +1581,31 @@ def o_stage_mode(batch: PrefillBatch, cfg: Config) -> int:
     return 2 if cfg.o_buf else 1
 
 
+def _q_bytes(batch: PrefillBatch, cfg: Config) -> int:
+    """Shared memory of the Q slots (and of O's own buffers with ``o_buf``)."""
+    q_bytes = cfg.BLOCK_M * batch.head_dim_qk * batch.q.element_size()
+    if o_stage_mode(batch, cfg) == 2:
+        q_bytes += cfg.BLOCK_M * batch.head_dim_vo * batch.q.element_size()
+    return q_bytes
+
+
 def stages(batch: PrefillBatch, cfg: Config) -> int:
     """``cfg.stages``, or fewer where Q (and O's own buffer) and the K/V ring would not fit in shared
     memory (Dqk 192, ``o_buf``)."""
+    stage_bytes = cfg.BLOCK_N * (batch.head_dim_qk + batch.head_dim_vo) * batch.q.element_size()
+    return max(2, min(cfg.stages, (SMEM_BYTES - _q_bytes(batch, cfg)) // stage_bytes))
+
+
+def ring_stages(batch: PrefillBatch, cfg: Config) -> tuple[int, int]:
+    """``(K stages, V stages)``: both :func:`stages` in one K/V ring; with ``v_ring`` V keeps that
+    many slots and K takes one stage more where it fits (the kernel's ``STAGES``, ``V_STAGES``)."""
+    n = stages(batch, cfg)
+    if not cfg.v_ring:
+        return n, n
     esz = batch.q.element_size()
-    q_bytes = cfg.BLOCK_M * batch.head_dim_qk * esz
-    if o_stage_mode(batch, cfg) == 2:
-        q_bytes += cfg.BLOCK_M * batch.head_dim_vo * esz
-    stage_bytes = cfg.BLOCK_N * (batch.head_dim_qk + batch.head_dim_vo) * esz
-    return max(2, min(cfg.stages, (SMEM_BYTES - q_bytes) // stage_bytes))
+    k_bytes, v_bytes = cfg.BLOCK_N * batch.head_dim_qk * esz, cfg.BLOCK_N * batch.head_dim_vo * esz
+    fits = _q_bytes(batch, cfg) + (n + 1) * k_bytes + n * v_bytes <= SMEM_BYTES
+    return n + int(fits), n
 
 
 def num_m_blocks(batch: PrefillBatch, cfg: Config) -> int:
@@ -1509,6 +1639,7 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
     else:
         tma_ints = (0, 0, 0, 0)
     q_desc = _q_tma_desc(batch, cfg)
+    k_stages, v_stages = ring_stages(batch, cfg)
     total = hkv * bsz * n_m
     grid = total
     if cfg.persistent and batch.device.type == "cuda":  # (CPU: compile-only tests)
@@ -1555,7 +1686,7 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
         BLOCK_N=cfg.BLOCK_N,
         CAUSAL=bool(batch.causal),
         HAS_LSE=batch.lse is not None,
-        STAGES=stages(batch, cfg),
+        STAGES=k_stages,
         LOAD_WARPS=cfg.load_warps,
         CONS_REGS=cfg.consumer_regs,
         LOAD_REGS=cfg.load_regs,
@@ -1570,6 +1701,8 @@ def launch_plan(batch: PrefillBatch, cfg: Config | None = None):
         O_STAGE=o_stage_mode(batch, cfg),
         PINGPONG=bool(cfg.pingpong),
         TILE_FENCE=bool(cfg.tile_fence or not tma_plan),  # (without TMA every tile is gathered)
+        V_STAGES=v_stages,
+        V_RING=bool(cfg.v_ring),
         num_warps=4,
     )
     return [(_attention_kernel, (grid,), args, kwargs)]
