@@ -510,23 +510,29 @@ def test_gpu_own_rows_tile_boundaries(group, dqk, knobs, monkeypatch):
     with 2 or 3 consumers, 2-stage rings, 32/64/128-key tiles and Dqk 192."""
     monkeypatch.setattr(gs, "_num_sms", lambda device: 2)
     monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", "own_rows=1" + knobs)
+    check_boundaries(51, [40, 41, 150, 90], [65, 84, 100, 2000], group, dqk, torch.float16)
+
+
+def check_boundaries(seed: int, lens_q: list, lens_kv: list, group: int, dqk: int, dtype) -> None:
+    """A causal case on pages of 16 whose lengths put the consumers' own key ranges one key either
+    side of tile boundaries, forced onto the Gluon kernel, against the oracle."""
     case = make_case(
-        51,
-        lens_q=[40, 41, 150, 90],
-        lens_kv=[65, 84, 100, 2000],
+        seed,
+        lens_q=lens_q,
+        lens_kv=lens_kv,
         hq=2 * group,
         hkv=2,
         dqk=dqk,
         dvo=128,
         page_size=16,
-        dtype=torch.float16,
+        dtype=dtype,
         causal=True,
         return_lse=True,
         device="cuda",
     )
     assert gs.unavailable_reason(direct_batch(case)) is None
     out, lse = call(case, gluon=1, num_splits=1)
-    check(case, out, lse, atol=atol_for(torch.float16), lse_atol=2e-2)
+    check(case, out, lse, atol=atol_for(dtype), lse_atol=2e-2)
 
 
 @pytest.mark.gpu
@@ -774,23 +780,7 @@ def test_gpu_v_ring_tile_boundaries(group, dqk, knobs, monkeypatch):
     D 128, 4 / 3 at Dqk 192), WIDE tiles (3 / 3), and 2-stage rings."""
     monkeypatch.setattr(gs, "_num_sms", lambda device: 2)
     monkeypatch.setenv("PAGEDPREFILL_GLUON_CONFIG", "v_ring=1" + knobs)
-    case = make_case(
-        52,
-        lens_q=[40, 41, 150, 90, 700],
-        lens_kv=[65, 84, 100, 2000, 1300],
-        hq=2 * group,
-        hkv=2,
-        dqk=dqk,
-        dvo=128,
-        page_size=16,
-        dtype=torch.bfloat16,
-        causal=True,
-        return_lse=True,
-        device="cuda",
-    )
-    assert gs.unavailable_reason(direct_batch(case)) is None
-    out, lse = call(case, gluon=1, num_splits=1)
-    check(case, out, lse, atol=atol_for(torch.bfloat16), lse_atol=2e-2)
+    check_boundaries(52, [40, 41, 150, 90, 700], [65, 84, 100, 2000, 1300], group, dqk, torch.bfloat16)
 
 
 @pytest.mark.gpu
