@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install, GPU tests, smoke checks, benchmark. Logs go to $OUT.
 # Usage (on the GPU machine, from the repo root): bash scripts/gpu_session.sh [steps...]
-# steps: tests sharded smoke bench graph serving overhead timeline profile gluon pending probe diag
+# steps: install tests sharded smoke bench graph serving overhead timeline profile gluon pending probe diag
 # (default: tests smoke bench). sharded: every GPU test in $SHARDS parallel pytest processes.
 # Extra pytest args via PYTEST_ARGS, bench args via BENCH_ARGS.
 set -uo pipefail
@@ -44,6 +44,7 @@ for s in $steps; do
                2>&1 | grep -A14 SUMMARY | sed "s/^/diag=$d /" | tee -a "$OUT/gluon-diag.log"
            done ;;
     profile) timeout 120 python3 scripts/host_profile.py llama8b_b16_q1k cudnn triton 2>&1 | tee "$OUT/profile.log" | grep -A6 "host us" ;;
+    install) ;;  # (the install above only; then export PYTHONPATH=/tmp/site:$PYTHONPATH to import cudnn)
     *) echo "unknown step $s" ;;
   esac
 done
