@@ -561,6 +561,17 @@ if gluon is not None:
             _post_item(item, r, items, LOAD_WARPS)
 
     @gluon.jit
+    def _fence_tile(tile, kv_len, BLOCK_N: gl.constexpr, TILE_FENCE: gl.constexpr):
+        """Consumers, after a key tile's full wait: fence the async proxy, so that the generic-proxy
+        writes of a tile gathered by cp.async (the one crossing kv_len, or every tile without TMA)
+        come before the wgmma's async-proxy reads. TMA tiles need none; TILE_FENCE 1 fences every
+        tile regardless."""
+        if TILE_FENCE:
+            fence_async_shared()
+        elif (tile + 1) * BLOCK_N > kv_len:
+            fence_async_shared()
+
+    @gluon.jit
     def _qk_async(q_sub, q1_sub, k_buf, k1_buf, s_zero, DQ1: gl.constexpr):
         """S = Q K^T as asynchronous wgmmas (a second one for key columns past 128 when DQ1 > 0)."""
         tok = warpgroup_mma(q_sub, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -724,12 +735,7 @@ if gluon is not None:
             if n_walk > 0:  # tile 0: nothing to overlap its softmax with yet
                 s0 = c % STAGES
                 mbarrier.wait(kv_full.index(s0), (c // STAGES) & 1)
-                # (a tile gathered by cp.async, generic-proxy writes, before the wgmma's async-proxy
-                # reads; TMA tiles need none: TILE_FENCE 0 skips it for tiles the loader took by TMA)
-                if TILE_FENCE:
-                    fence_async_shared()
-                elif BLOCK_N > kv_len:
-                    fence_async_shared()
+                _fence_tile(0, kv_len, BLOCK_N, TILE_FENCE)
                 if PINGPONG:
                     mbarrier.wait(turn.index(ME), t & 1)
                 s_tok = _qk_async(q_sub, q1_sub, k_smem.index(s0), k1_smem.index(s0), s_zero, DQ1)
@@ -751,10 +757,7 @@ if gluon is not None:
                 s = (c + j) % STAGES
                 prev = (c + j - 1) % STAGES
                 mbarrier.wait(kv_full.index(s), ((c + j) // STAGES) & 1)
-                if TILE_FENCE:
-                    fence_async_shared()
-                elif (j + 1) * BLOCK_N > kv_len:
-                    fence_async_shared()
+                _fence_tile(j, kv_len, BLOCK_N, TILE_FENCE)
                 # S_j = Q K_j^T in flight while O is rescaled for tile j-1 (FA3's order: off the path
                 # from the PV GEMM's wait to the next PV GEMM); then O += P_{j-1} V_{j-1} joins it,
                 # and softmax(S_j) overlaps the PV GEMM. PINGPONG: the warpgroups issue these two
@@ -768,10 +771,7 @@ if gluon is not None:
                 if V_RING:
                     vprev = (c + j - 1) % V_STAGES
                     mbarrier.wait(v_full.index(vprev), ((c + j - 1) // V_STAGES) & 1)
-                    if TILE_FENCE:
-                        fence_async_shared()
-                    elif j * BLOCK_N > kv_len:  # (tile j - 1 was gathered)
-                        fence_async_shared()
+                    _fence_tile(j - 1, kv_len, BLOCK_N, TILE_FENCE)
                 o_tok = warpgroup_mma(p_op, v_smem.index(vprev), acc, is_async=True)
                 if PINGPONG:
                     mbarrier.arrive(turn.index(NEXT))
@@ -807,10 +807,7 @@ if gluon is not None:
                 if V_RING:
                     vlast = (c + n_walk - 1) % V_STAGES
                     mbarrier.wait(v_full.index(vlast), ((c + n_walk - 1) // V_STAGES) & 1)
-                    if TILE_FENCE:
-                        fence_async_shared()
-                    elif n_walk * BLOCK_N > kv_len:
-                        fence_async_shared()
+                    _fence_tile(n_walk - 1, kv_len, BLOCK_N, TILE_FENCE)
                     o_tok = warpgroup_mma(p_op, v_smem.index(vlast), acc, is_async=True)
                     acc = warpgroup_mma_wait(0, deps=[o_tok])
                     mbarrier.arrive(v_empty.index(vlast))
