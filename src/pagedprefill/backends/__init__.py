@@ -1,7 +1,10 @@
-"""Backends. Each module exposes the same five names, and consumes only a ``PrefillBatch``:
+"""Backends. Each is one module (or package) with the same names, and consumes only a
+:class:`~pagedprefill.batch.PrefillBatch` and, per run, :class:`~pagedprefill.batch.CallTensors`:
 
 ``NAME``; ``unavailable_reason(device) -> str | None`` (why it cannot run on this machine);
-``unsupported_reason(batch) -> str | None`` (why it cannot serve this call);
-``workspace_bytes(batch) -> int`` (scratch it needs after the metadata); ``run(batch)`` (writes
-``batch.out`` and ``batch.lse`` for the covered rows only).
+``unsupported_reason(batch) -> str | None`` (why it cannot serve this batch);
+``plan(batch, workspace_bytes) -> plan`` where the plan has ``workspace_bytes`` (scratch it needs)
+and ``run(tensors)`` (writes ``out`` and ``lse`` for the covered rows only).
+
+No backend imports another; what two of them share lives in :mod:`pagedprefill.kernels`.
 """

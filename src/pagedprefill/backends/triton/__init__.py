@@ -1,0 +1,75 @@
+"""Triton backend: this project's own kernels.
+
+* :mod:`.hopper` / :mod:`.hopper_kernel` — the sm_90 kernel (Gluon: warp-specialised, TMA,
+  asynchronous wgmma) for 16-bit q/k/v with Dqk = Dvo in {64, 128} or Dqk 192 / Dvo 128;
+* :mod:`.fa2` / :mod:`.fa2_kernel` — the portable kernel for everything else: other GPUs, other
+  head dims, fp8, the attention variants, split-KV for short queries over long prefixes, and the
+  CPU interpreter.
+
+:func:`plan` picks one per batch from host ints only; neither reads lengths on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedprefill import tuning
+from pagedprefill.batch import PrefillBatch
+from pagedprefill.kernels import launch
+
+from . import fa2, hopper
+
+NAME = "triton"
+MAX_HEAD_DIM = 256
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    return launch.unavailable_reason(device)
+
+
+def _served_dim(d: int) -> bool:
+    return 16 <= d <= MAX_HEAD_DIM and d % 16 == 0
+
+
+def unsupported_reason(batch: PrefillBatch) -> str | None:
+    dqk, dvo = batch.head_dim_qk, batch.head_dim_vo
+    if not (_served_dim(dqk) and _served_dim(dvo)):
+        return (
+            f"head dims Dqk={dqk}, Dvo={dvo} are not served: the Triton kernels serve head dims that are "
+            f"multiples of 16 from 16 to {MAX_HEAD_DIM} (e.g. 64, 96, 128, 256, and Dqk=192 with Dvo=128)"
+        )
+    if launch.INTERPRETED and fa2.compute_dtype(batch) == torch.bfloat16:
+        return (
+            "Triton's CPU interpreter (TRITON_INTERPRET=1) cannot compute bfloat16 dots (it returns wrong "
+            "values): on the CPU use float16 or float32 q / k_cache / v_cache, or backend='torch'"
+        )
+    if batch.fp8_kv and batch.device.type == "cuda" and not launch.INTERPRETED:
+        if torch.cuda.get_device_capability(batch.device) < (8, 9):
+            return "fp8 K/V needs CUDA compute capability >= 8.9 in the Triton kernels"
+    return None
+
+
+def uses_hopper_kernel(batch: PrefillBatch, workspace_bytes: int | None = None) -> bool:
+    """Whether :func:`plan` takes the Hopper kernel for this batch: wherever it serves the call and no
+    split-KV is chosen (it was faster than the portable kernel on every shape measured on the H200;
+    knob ``hopper=0`` turns it off)."""
+    if tuning.knobs("triton").get("hopper") == 0 or hopper.unavailable_reason(batch) is not None:
+        return False
+    return fa2.choose_splits(batch, fa2.choose_config(batch), workspace_bytes) == 1
+
+
+def plan(batch: PrefillBatch, workspace_bytes: int | None):
+    """The launches of this batch (``workspace_bytes``: the caller's scratch, which bounds split-KV)."""
+    if uses_hopper_kernel(batch, workspace_bytes):
+        return hopper.HopperPlan(batch)
+    return fa2.Fa2Plan(batch, workspace_bytes)
+
+
+def compiled_variants() -> int:
+    """Kernel variants compiled so far in this process (all devices); 0 under the interpreter."""
+    from pagedprefill.kernels import metadata
+
+    kernels = [fa2.fa2_kernel.prefill_kernel, fa2.fa2_kernel.merge_kernel, metadata._metadata_kernel]
+    if hopper.hk is not None:
+        kernels.append(hopper.hk.attention_kernel)
+    return launch.compiled_variants(*kernels)

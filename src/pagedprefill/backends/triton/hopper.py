@@ -1,0 +1,288 @@
+"""Configuration and launches of the Hopper kernel (:mod:`.hopper_kernel`)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from pagedprefill import tuning
+from pagedprefill.batch import CallTensors, PrefillBatch
+from pagedprefill.kernels.launch import INTERPRETED, fast_launch
+
+try:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from . import hopper_kernel as hk
+
+    IMPORT_ERROR: str | None = None
+except Exception as exc:  # pragma: no cover - depends on the Triton build
+    gl = hk = TensorDescriptor = None
+    IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+LOG2E = 1.4426950408889634
+SMEM_BYTES = 227 * 1024 - 1024  # sm_90's shared memory per block, less room for the barriers
+
+
+@dataclass(frozen=True)
+class Config:
+    """Launch knobs of the kernel (compile-time constants, except ``chunk`` and ``dynamic``).
+
+    ``BLOCK_M = 64 * consumers`` query rows per work item; the register split is per thread and must
+    satisfy ``128 * consumers * consumer_regs + 32 * load_warps * load_regs <= 65536``.
+    """
+
+    BLOCK_N: int = 64  # keys per pipeline stage
+    stages: int = 5  # K/V shared-memory ring depth (fewer where Q and the ring would not fit)
+    consumers: int = 3  # softmax/MMA warpgroups of 64 rows each (2 or 3)
+    load_warps: int = 4
+    consumer_regs: int = 152
+    load_regs: int = 56
+    chunk: int = 4  # (sequence, KV head) pairs whose row blocks are dealt together; 0: all pairs
+    # 1: items come off a per-call work counter as each program's loads reach them, instead of static
+    # snake-ordered rounds: faster on varlen, 4k prompts, D 64 and MLA; slower on chunked prefill and
+    # 1k prompts, where static rounds keep the programs that share K/V in step (L2 hits)
+    dynamic: int = 1
+
+    @property
+    def BLOCK_M(self) -> int:
+        return 64 * self.consumers
+
+
+DEFAULT = Config()
+# 128 x 128 tiles on two consumers: 128 query rows per K/V tile instead of 192 (more L2 traffic per
+# FLOP), half as many tile steps per key; faster where `prefers_wide` says
+WIDE = {"consumers": 2, "BLOCK_N": 128, "consumer_regs": 224, "load_regs": 56}
+KNOBS = tuple(f.name for f in fields(Config)) + ("wide",)
+
+
+def unavailable_reason(batch: PrefillBatch) -> str | None:
+    """Why this kernel cannot serve the call (None when it can); the portable kernel serves it then."""
+    if hk is None:
+        return f"Gluon is not importable: {IMPORT_ERROR}"
+    dt = batch.q.dtype
+    if dt not in (torch.float16, torch.bfloat16) or batch.k.dtype != dt:
+        return "q, k and v must share one 16-bit dtype"
+    if (batch.head_dim_qk, batch.head_dim_vo) not in ((64, 64), (128, 128), (192, 128)):
+        return "head dims other than Dqk = Dvo in {64, 128} and Dqk 192 / Dvo 128"
+    if not batch.scale > 0 or batch.q_scaled or batch.k_scaled or batch.v_scaled:
+        return "scale tensors or a non-positive scale"
+    if batch.variants:
+        return "a sliding window, soft-capping or sinks"
+    # cp.async copies 16-byte chunks, and Triton proves an integer's alignment only as "divisible by
+    # 16": every q, K and V stride must be a multiple of 16 elements
+    for name, lay, aligned in zip("qkv", (batch.q, batch.k, batch.v), batch.aligned):
+        if not aligned or any(st % 16 for st in lay.stride[:-1]):
+            return f"{name} strides are not multiples of 16 elements, or its rows not 16-byte aligned (cp.async)"
+    if batch.device.type != "cuda" or INTERPRETED:
+        return "not a CUDA device"
+    if torch.cuda.get_device_capability(batch.device) != (9, 0):
+        return "the Hopper kernel is written for sm_90 (wgmma)"
+    return None
+
+
+def prefers_wide(batch: PrefillBatch) -> bool:
+    """Whether ``WIDE`` beat ``DEFAULT`` on the H200 for calls like this one: D = 128, TMA-eligible K/V,
+    and non-causal, pages of >= 64 tokens or a prefix of >= 3 query lengths (chunked prefill); causal
+    calls with ``max_q`` near ``max_kv`` and pages of 16 tokens lost 1-7%."""
+    if (batch.head_dim_qk, batch.head_dim_vo) != (128, 128) or (batch.paged and batch.page_size < 16):
+        return False
+    return not batch.causal or (batch.paged and batch.page_size >= 64) or batch.work_kv >= 4 * batch.work_q
+
+
+def config(batch: PrefillBatch) -> Config:
+    """``DEFAULT``, with ``WIDE`` where :func:`prefers_wide` says so, and static rounds
+    (``dynamic=0``) for short prompts (``max_q <= 1024``) and chunked prefill (``max_kv >= 4 max_q``);
+    then any tuning override (``tuning.override("hopper", stages=4, wide=1, ...)``)."""
+    over = dict(tuning.knobs("hopper"))
+    bad = [k for k in over if k not in KNOBS]
+    if bad:
+        raise ValueError(f"unknown Hopper knob {bad[0]!r}; expected one of {KNOBS}")
+    wide = over.pop("wide", None)
+    base = replace(DEFAULT, **WIDE) if (prefers_wide(batch) if wide is None else wide) else DEFAULT
+    if batch.work_q <= 1024 or batch.work_kv >= 4 * batch.work_q:
+        base = replace(base, dynamic=0)
+    cfg = replace(base, **over)
+    why = None
+    if cfg.consumers not in (2, 3):
+        why = f"consumers must be 2 or 3, got {cfg.consumers}"
+    elif cfg.stages < 2:  # one stage deadlocks: a consumer waits for the tile its own release unblocks
+        why = f"stages must be >= 2, got {cfg.stages}"
+    elif cfg.BLOCK_N not in (16, 32, 64, 128):
+        why = f"BLOCK_N must be 16, 32, 64 or 128, got {cfg.BLOCK_N}"
+    elif cfg.load_warps not in (2, 4, 8):
+        why = f"load_warps must be 2, 4 or 8, got {cfg.load_warps}"
+    elif any(r % 8 or not 24 <= r <= 256 for r in (cfg.consumer_regs, cfg.load_regs)):
+        why = "consumer_regs and load_regs must be multiples of 8 in [24, 256]"
+    elif 128 * cfg.consumers * cfg.consumer_regs + 32 * cfg.load_warps * cfg.load_regs > 65536:
+        why = "registers over budget: 128 * consumers * consumer_regs + 32 * load_warps * load_regs > 65536"
+    elif cfg.chunk < 0:
+        why = f"chunk must be >= 0 (0: all pairs in one chunk), got {cfg.chunk}"
+    elif cfg.dynamic not in (0, 1):
+        why = f"dynamic must be 0 or 1, got {cfg.dynamic}"
+    if why:
+        raise ValueError(f"Hopper knob: {why}")
+    return cfg
+
+
+def _tma_view(t: torch.Tensor, batch: PrefillBatch, box_rows: int, d: int):
+    """A 2-D view of a K or V cache (head dim ``d``) for TMA boxes of ``[box_rows, min(d, 128)]``:
+    ``(descriptor, page_rows, head_off, head_in_rows)``, or None when the strides do not allow one.
+
+    Row ``page * page_rows + slot`` (paged) or ``start + key`` (ragged) holds the head-0 key row; a
+    head is ``head_off`` rows further (HND-like layouts) or ``head_off`` elements to the right
+    (NHD-like layouts, where all heads of a token share a row)."""
+    h = batch.num_kv_heads
+    if batch.paged:
+        sp, sh, st = t.stride(0), t.stride(1), t.stride(2)
+    else:
+        sp, sh, st = 0, t.stride(1), t.stride(0)
+    if t.data_ptr() % 16 or t.stride(-1) != 1 or (st * t.element_size()) % 16 or st < d:
+        return None
+    if h == 1 or (sh >= st and sh % st == 0):
+        head_rows, head_off, cols = True, (sh // st if h > 1 else 0), d
+    elif (h - 1) * sh + d <= st:
+        head_rows, head_off, cols = False, sh, st
+    else:
+        return None
+    if batch.paged:
+        if sp % st:
+            return None
+        page_rows = sp // st
+        rows = (t.shape[0] - 1) * page_rows + batch.page_size
+    else:
+        page_rows = 0
+        rows = t.shape[0]
+    rows += (h - 1) * head_off if head_rows else 0
+    if rows <= 0 or rows >= 2**31:  # an empty cache (no TMA needed), or past int32 coordinates
+        return None
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    desc = TensorDescriptor(t, [rows, cols], [st, 1], [box_rows, min(d, 128)], layout)
+    return desc, page_rows, head_off, head_rows
+
+
+def _page_box(batch: PrefillBatch, cfg: Config) -> int:
+    """Rows per K/V TMA box, or 0 when whole tiles cannot come by TMA (pages under 16 tokens)."""
+    if not batch.paged:
+        return cfg.BLOCK_N
+    box = min(batch.page_size, cfg.BLOCK_N)
+    if batch.page_size < 16 or batch.page_size % box or cfg.BLOCK_N % box:
+        return 0
+    return box
+
+
+def _tma_plan(t: CallTensors, batch: PrefillBatch, box: int):
+    """``(k_view, v_view, k1_desc)`` for this call's tensors when whole tiles can arrive by TMA, else
+    None; ``k1_desc`` boxes K's columns past 128 (Dqk 192), else None."""
+    if not box:
+        return None
+    kv = _tma_view(t.k, batch, box, batch.head_dim_qk), _tma_view(t.v, batch, box, batch.head_dim_vo)
+    if None in kv:
+        return None
+    k1 = None
+    if batch.head_dim_qk > 128:
+        k0 = kv[0][0]
+        k1 = TensorDescriptor(t.k, k0.shape, k0.strides, [box, batch.head_dim_qk - 128], k0.layout)
+    return (*kv, k1)
+
+
+def q_tma_applies(batch: PrefillBatch, q: torch.Tensor) -> bool:
+    """Whether the load warps copy Q by TMA: GQA group dividing 64, q 16-byte aligned, some rows."""
+    return 64 % batch.group_size == 0 and q.data_ptr() % 16 == 0 and q.shape[0] > 0
+
+
+def o_stage_mode(batch: PrefillBatch, q_tma: bool) -> int:
+    """How the epilogue stores O (the kernel's ``O_STAGE``): 1 staged through the consumer's Q slot
+    (out in q's dtype, and O fitting the slot: Dqk = Dvo, or Dqk 192 with Q by TMA), else 0 straight
+    from the wgmma accumulator layout. (Dqk 192 with the consumers' own Q copies: ptxas spilled 640
+    bytes around each item when staged, 204 unstaged.)"""
+    fits = batch.head_dim_qk == batch.head_dim_vo or (batch.head_dim_qk == 192 and q_tma)
+    return int(batch.out.dtype == batch.q.dtype and fits)
+
+
+def stages(batch: PrefillBatch, cfg: Config) -> int:
+    """``cfg.stages``, or fewer where Q and the K/V ring would not fit in shared memory (Dqk 192)."""
+    esz = batch.q.dtype.itemsize
+    q_bytes = cfg.BLOCK_M * batch.head_dim_qk * esz
+    stage_bytes = cfg.BLOCK_N * (batch.head_dim_qk + batch.head_dim_vo) * esz
+    return max(2, min(cfg.stages, (SMEM_BYTES - q_bytes) // stage_bytes))
+
+
+def num_m_blocks(batch: PrefillBatch, cfg: Config) -> int:
+    return -(-batch.work_q * batch.group_size // cfg.BLOCK_M)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class HopperPlan:
+    """The Hopper kernel's launch for one batch: config and constexprs fixed at plan time; each run
+    binds the call's tensors, builds their TMA descriptors and zeroes the work counter."""
+
+    name = "triton"
+    workspace_bytes = 16  # the work counter (dynamic scheduling)
+
+    def __init__(self, batch: PrefillBatch):
+        self.batch = batch
+        cfg = self.cfg = config(batch)
+        self.n_m = num_m_blocks(batch, cfg)
+        total = batch.num_kv_heads * batch.batch_size * self.n_m
+        grid = min(total, _num_sms(batch.device)) if batch.device.type == "cuda" else total
+        if total + grid >= 2**31:  # (rounds run to total + grid in int32)
+            raise ValueError(f"too many work items for one launch ({total}); split the batch")
+        self.grid = (max(grid, 1),)
+        self.box = _page_box(batch, cfg)
+        self.chunk = min(cfg.chunk, total) if cfg.chunk > 0 else total
+        self.dynamic = int(bool(cfg.dynamic))
+        self._kwargs: dict = {}
+
+    def _constexprs(self, tma, q_tma: bool) -> dict:
+        key = (tma is not None and tma[0][3], tma is not None and tma[1][3], tma is not None, q_tma)
+        got = self._kwargs.get(key)
+        if got is None:
+            batch, cfg = self.batch, self.cfg
+            got = self._kwargs[key] = dict(
+                GROUP=batch.group_size, PAGE_SIZE=batch.page_size, DQK=batch.head_dim_qk, DVO=batch.head_dim_vo,
+                NC=cfg.consumers, BLOCK_N=cfg.BLOCK_N, CAUSAL=batch.causal, HAS_LSE=batch.has_lse,
+                STAGES=stages(batch, cfg), LOAD_WARPS=cfg.load_warps, CONS_REGS=cfg.consumer_regs,
+                LOAD_REGS=cfg.load_regs, USE_TMA=tma is not None, PAGE_BOX=self.box if tma is not None else 0,
+                K_HEAD_ROWS=bool(key[0]), V_HEAD_ROWS=bool(key[1]), Q_TMA=q_tma,
+                O_STAGE=o_stage_mode(batch, q_tma), num_warps=4,
+            )  # fmt: skip
+        return got
+
+    def launches(self, t: CallTensors) -> list:
+        batch = self.batch
+        meta = t.meta
+        q, k, v, out = t.q, t.k, t.v, t.out
+        bt = t.pages if batch.paged else meta
+        if batch.paged:
+            kstr, vstr = k.stride()[:3], v.stride()[:3]
+        else:
+            kstr, vstr = (*k.stride()[:2], 0), (*v.stride()[:2], 0)
+        tma = _tma_plan(t, batch, self.box)
+        tma_ints = (tma[0][1], tma[0][2], tma[1][1], tma[1][2]) if tma else (0, 0, 0, 0)
+        q_tma = q_tma_applies(batch, q)
+        q_desc = None
+        if q_tma:
+            layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+            g = batch.group_size
+            q_desc = TensorDescriptor(q, list(q.shape), list(q.stride()), [64 // g, g, 64], layout)
+        counter = t.scratch[:4].view(torch.int32) if self.dynamic else meta
+        args = (
+            q, k, v, out, t.lse if t.lse is not None else meta, meta, bt, counter, self.dynamic,
+            float(batch.scale) * LOG2E, meta.stride(0), batch.batch_size, self.n_m, batch.num_pages, q.stride(0), q.stride(1), *kstr, *vstr, out.stride(0), out.stride(1), batch.num_qo_heads,
+            batch.num_kv_heads, self.chunk, tma[0][0] if tma else None, tma[2] if tma else None,
+            tma[1][0] if tma else None, q_desc, *tma_ints,
+        )  # fmt: skip
+        return [(hk.attention_kernel, self.grid, args, self._constexprs(tma, q_tma))]
+
+    def run(self, t: CallTensors) -> None:
+        if self.dynamic:
+            t.scratch[:4].view(torch.int32).zero_()
+        for kernel, grid, args, kwargs in self.launches(t):
+            fast_launch(kernel, grid, args, kwargs)

@@ -1,0 +1,819 @@
+"""The Hopper (sm_90) attention kernel in Gluon, Triton's explicit-layout dialect.
+
+How it works (``docs/design.md`` has the reasons and ``docs/decisions.md`` what was tried):
+
+* A work item is ``BLOCK_M = 64 * NC`` query rows of one sequence and one KV head; a row is a
+  (token, head-in-group) pair, so each K/V tile is loaded once for the whole GQA group.
+* A persistent grid (one program per SM) takes items in chunks of (sequence, KV head) pairs,
+  heaviest row block first; either off a per-call work counter as each program's loads reach
+  their next item (``dynamic``), or in static snake-ordered rounds.
+* Each program is split into partitions (``gl.warp_specialize``): the load warps fill a ring of
+  ``STAGES`` K/V tiles (bulk-tensor copies for tiles wholly below ``kv_len``, a zero-filling
+  ``cp.async`` gather otherwise) and copy each item's Q by TMA; ``NC`` consumer warpgroups of 64
+  rows each run ``S_j = Q K_j^T`` as an asynchronous wgmma beside the rescale of O and
+  ``O += P_{j-1} V_{j-1}``, so the softmax of tile j overlaps the PV GEMM of tile j-1.
+* Causal consumers walk key tiles only up to their own rows' diagonal and release the rest unread.
+
+The state is grouped in aggregates: :class:`Geometry` (compile-time shape of the kernel),
+:class:`Schedule` (work items and the item ring), :class:`KVRing` / :class:`QSlots` (shared
+memory and its barriers), :class:`KVSource` (where K/V rows are in global memory) and
+:class:`WorkItem` (one item's sequence, head, rows and key range).
+
+Lengths, offsets and page ids are read on the device; page ids are clamped; rows with no visible
+key get out 0 and lse -inf.
+"""
+
+# (no ``from __future__ import annotations``: Gluon aggregates check their fields' annotations)
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.language.core import _aggregate as aggregate
+
+ITEM_RING = gl.constexpr(4)  # work items the load warps may hand out ahead (dynamic scheduling)
+
+
+@aggregate
+class Geometry:
+    """Compile-time shape of the kernel."""
+
+    GROUP: gl.constexpr  # query heads per KV head
+    PAGE_SIZE: gl.constexpr  # 0: ragged K/V
+    DQ0: gl.constexpr  # key columns of the first QK part (<= 128)
+    DQ1: gl.constexpr  # key columns past 128 (Dqk 192: 64), else 0
+    DVO: gl.constexpr
+    SUB_M: gl.constexpr  # rows per consumer warpgroup
+    NC: gl.constexpr  # consumer warpgroups
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+    STAGES: gl.constexpr
+    CAUSAL: gl.constexpr
+    HAS_LSE: gl.constexpr
+    LOAD_WARPS: gl.constexpr
+    USE_TMA: gl.constexpr  # whole K/V tiles by bulk-tensor copies
+    PAGE_BOX: gl.constexpr  # rows per K/V TMA box (never crosses a page)
+    K_HEAD_ROWS: gl.constexpr  # K's 2-D TMA view steps heads in rows (else in columns)
+    V_HEAD_ROWS: gl.constexpr
+    Q_TMA: gl.constexpr  # the load warps copy Q by TMA (else each consumer by cp.async)
+    O_STAGE: gl.constexpr  # 1: O stored through the consumer's Q slot as whole rows
+
+    @gluon.constexpr_function
+    def __init__(
+        self, GROUP, PAGE_SIZE, DQK, DVO, NC, BLOCK_N, STAGES, CAUSAL, HAS_LSE, LOAD_WARPS, USE_TMA,
+        PAGE_BOX, K_HEAD_ROWS, V_HEAD_ROWS, Q_TMA, O_STAGE,
+    ):  # fmt: skip
+        self.GROUP = gl.constexpr(GROUP)
+        self.PAGE_SIZE = gl.constexpr(PAGE_SIZE)
+        self.DQ0 = gl.constexpr(DQK if DQK <= 128 else 128)
+        self.DQ1 = gl.constexpr(DQK - (DQK if DQK <= 128 else 128))
+        self.DVO = gl.constexpr(DVO)
+        self.SUB_M = gl.constexpr(64)
+        self.NC = gl.constexpr(NC)
+        self.BLOCK_M = gl.constexpr(64 * NC)
+        self.BLOCK_N = gl.constexpr(BLOCK_N)
+        self.STAGES = gl.constexpr(STAGES)
+        self.CAUSAL = gl.constexpr(CAUSAL)
+        self.HAS_LSE = gl.constexpr(HAS_LSE)
+        self.LOAD_WARPS = gl.constexpr(LOAD_WARPS)
+        self.USE_TMA = gl.constexpr(USE_TMA)
+        self.PAGE_BOX = gl.constexpr(PAGE_BOX)
+        self.K_HEAD_ROWS = gl.constexpr(K_HEAD_ROWS)
+        self.V_HEAD_ROWS = gl.constexpr(V_HEAD_ROWS)
+        self.Q_TMA = gl.constexpr(Q_TMA)
+        self.O_STAGE = gl.constexpr(O_STAGE)
+
+
+@aggregate
+class WorkItem:
+    """One work item: its sequence's metadata and the key range of its rows."""
+
+    kv_head: gl.tensor
+    row0: gl.tensor  # first row (token x head-in-group) of the item's block
+    q_len: gl.tensor  # 0 for a last round's missing item
+    kv_len: gl.tensor
+    q_start: gl.tensor
+    o_start: gl.tensor
+    lse_start: gl.tensor
+    BT_row: gl.tensor  # the sequence's page ids (paged), else the metadata pointer
+    k_start: gl.tensor
+    v_start: gl.tensor
+    hi: gl.tensor  # keys [0, hi) are visible to some row of the block
+    full: gl.tensor  # keys [0, full) are visible to every row, in whole tiles
+    n_tiles: gl.tensor  # key tiles covering [0, hi); 0 when every row is past the sequence
+
+    @gluon.constexpr_function
+    def __init__(self, kv_head, row0, q_len, kv_len, q_start, o_start, lse_start, BT_row, k_start, v_start, hi,
+                 full, n_tiles):  # fmt: skip
+        self.kv_head = kv_head
+        self.row0 = row0
+        self.q_len = q_len
+        self.kv_len = kv_len
+        self.q_start = q_start
+        self.o_start = o_start
+        self.lse_start = lse_start
+        self.BT_row = BT_row
+        self.k_start = k_start
+        self.v_start = v_start
+        self.hi = hi
+        self.full = full
+        self.n_tiles = n_tiles
+
+
+@gluon.jit
+def _key_range(r_lo, q_len, kv_len, ROWS: gl.constexpr, geo: Geometry):
+    """Keys of rows [r_lo, r_lo + ROWS): (hi: keys [0, hi) visible to some row, n_tiles: key tiles
+    covering them, 0 for rows all past the sequence, full: keys visible to every row, in whole
+    tiles)."""
+    if geo.CAUSAL:
+        tok_hi = gl.minimum((r_lo + ROWS - 1) // geo.GROUP, q_len - 1)
+        hi = gl.minimum(kv_len, tok_hi + (kv_len - q_len) + 1)
+        full = gl.minimum(kv_len, r_lo // geo.GROUP + (kv_len - q_len) + 1)
+        full = (gl.maximum(full, 0) // geo.BLOCK_N) * geo.BLOCK_N
+    else:
+        hi = kv_len
+        full = (kv_len // geo.BLOCK_N) * geo.BLOCK_N
+    hi = gl.maximum(hi, 0)
+    n_tiles = (hi + geo.BLOCK_N - 1) // geo.BLOCK_N
+    n_tiles = gl.where(r_lo < q_len * geo.GROUP, n_tiles, 0)  # rows past the sequence: nothing
+    return hi, n_tiles, full
+
+
+@aggregate
+class Schedule:
+    """The work items of one launch and how a program gets its next one."""
+
+    META: gl.tensor
+    BT: gl.tensor  # page ids (paged): sequence b's start at metadata row bt_start
+    meta_stride: gl.tensor
+    num_kv_heads: gl.tensor
+    n_bh: gl.tensor  # (sequence, KV head) pairs
+    num_m_blocks: gl.tensor
+    chunk: gl.tensor  # pairs whose row blocks are dealt together
+    total: gl.tensor  # work items
+    counter: gl.tensor  # dynamic: the call's work counter (zeroed before the launch)
+    dynamic: gl.tensor
+    item_ids: gl.shared_memory_descriptor  # dynamic: item ids the load warps hand the consumers
+    item_full: gl.shared_memory_descriptor
+    item_empty: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, META, BT, meta_stride, num_kv_heads, n_bh, num_m_blocks, chunk, total, counter, dynamic,
+                 item_ids, item_full, item_empty):  # fmt: skip
+        self.META = META
+        self.BT = BT
+        self.meta_stride = meta_stride
+        self.num_kv_heads = num_kv_heads
+        self.n_bh = n_bh
+        self.num_m_blocks = num_m_blocks
+        self.chunk = chunk
+        self.total = total
+        self.counter = counter
+        self.dynamic = dynamic
+        self.item_ids = item_ids
+        self.item_full = item_full
+        self.item_empty = item_empty
+
+    @gluon.jit
+    def num_rounds(self):
+        """Rounds of static scheduling: in round r every program takes one item."""
+        return (self.total + gl.num_programs(0) - 1) // gl.num_programs(0)
+
+    @gluon.jit
+    def round_item(self, r):
+        """Program p's item in round r: p in even rounds, the mirror in odd ones. Items shrink as
+        they go within a chunk of pairs (heaviest first), so the snake order evens out the
+        programs' sums."""
+        pid = gl.program_id(0)
+        return r * gl.num_programs(0) + pid + (r % 2) * (gl.num_programs(0) - 1 - 2 * pid)
+
+    @gluon.jit
+    def more(self, item, r):
+        """Whether round r (holding item) is one to run."""
+        dyn = self.dynamic != 0
+        return (dyn & (item < self.total)) | ((not dyn) & (r < self.num_rounds()))
+
+    @gluon.jit
+    def claim(self, r):
+        """Load warps: round r's item: the static round's, or the next one off the work counter,
+        so that a program takes its next item when its loads reach it."""
+        if self.dynamic != 0:
+            item = gl.atomic_add(self.counter, 1, sem="relaxed")
+        else:
+            item = self.round_item(r)
+        return item
+
+    @gluon.jit
+    def post(self, item, r, LOAD_WARPS: gl.constexpr):
+        """Load warps (dynamic): hand round r's item to the consumers through slot r % ITEM_RING."""
+        slot = r % ITEM_RING
+        mbarrier.wait(self.item_empty.index(slot), ((r // ITEM_RING) & 1) ^ 1)
+        self.item_ids.index(slot).store(gl.full([1], item, gl.int32, gl.BlockedLayout([1], [32], [LOAD_WARPS], [0])))
+        mbarrier.arrive(self.item_full.index(slot))
+
+    @gluon.jit
+    def take(self, r):
+        """Consumers: round r's item: the static round's, or (dynamic) the load warps' pick."""
+        if self.dynamic != 0:
+            slot = r % ITEM_RING
+            mbarrier.wait(self.item_full.index(slot), (r // ITEM_RING) & 1)
+            item = gl.max(self.item_ids.index(slot).load(gl.BlockedLayout([1], [32], [4], [0])), 0)
+            mbarrier.arrive(self.item_empty.index(slot))
+        else:
+            item = self.round_item(r)
+        return item
+
+    @gluon.jit
+    def work_item(self, item, geo: Geometry, WITH_LSE: gl.constexpr):
+        """Work item -> its sequence, KV head, row block and key range. Items run heaviest row block
+        first within a chunk of (sequence, KV head) pairs; ``item >= total`` (a last round's missing
+        items) decodes as the last item with ``q_len = 0``: no tiles, no stores."""
+        total = self.n_bh * self.num_m_blocks
+        valid = item < total
+        item = gl.minimum(item, total - 1)  # (so that b < batch size: META is read unmasked)
+        # chunks of `chunk` pairs, one after the other; in a chunk, row blocks heaviest first (z),
+        # then pairs: items running at once share their pairs' K/V in L2
+        k = item // (self.chunk * self.num_m_blocks)
+        within = item - k * (self.chunk * self.num_m_blocks)
+        in_chunk = gl.minimum(self.chunk, self.n_bh - k * self.chunk)  # (the last chunk may be short)
+        z = within // in_chunk
+        rem = k * self.chunk + within - z * in_chunk
+        b = rem // self.num_kv_heads
+        kv_head = rem - b * self.num_kv_heads
+        row0 = (self.num_m_blocks - 1 - z) * geo.BLOCK_M
+        META = self.META
+        meta_stride = self.meta_stride
+        q_len = gl.where(valid, gl.load(META + b), 0)
+        kv_len = gl.load(META + meta_stride + b)
+        q_start = gl.load(META + 2 * meta_stride + b)
+        o_start = gl.load(META + 3 * meta_stride + b)
+        lse_start = q_len * 0
+        if WITH_LSE:
+            lse_start = gl.load(META + 6 * meta_stride + b)
+        if geo.PAGE_SIZE > 0:
+            BT_row = self.BT + gl.load(META + 7 * meta_stride + b).to(gl.int64)
+            k_start = q_len * 0
+            v_start = q_len * 0
+        else:
+            BT_row = self.BT
+            k_start = gl.load(META + 4 * meta_stride + b)
+            v_start = gl.load(META + 5 * meta_stride + b)
+        hi, n_tiles, full = _key_range(row0, q_len, kv_len, geo.BLOCK_M, geo)
+        return WorkItem(kv_head, row0, q_len, kv_len, q_start, o_start, lse_start, BT_row, k_start, v_start, hi,
+                        full, n_tiles)  # fmt: skip
+
+
+@aggregate
+class KVRing:
+    """The K/V tiles in shared memory: ``STAGES`` slots with full / empty barriers."""
+
+    k: gl.shared_memory_descriptor  # [STAGES, BLOCK_N, DQ0]
+    k1: gl.shared_memory_descriptor  # [STAGES, BLOCK_N, DQ1] (Dqk 192), else k
+    v: gl.shared_memory_descriptor  # [STAGES, BLOCK_N, DVO]
+    full: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, k, k1, v, full, empty):
+        self.k = k
+        self.k1 = k1
+        self.v = v
+        self.full = full
+        self.empty = empty
+
+
+@aggregate
+class QSlots:
+    """Each consumer's Q rows in shared memory (and its O rows on the way out, O_STAGE), with the
+    barriers of their TMA copies (Q_TMA)."""
+
+    q: gl.shared_memory_descriptor  # [NC, 64, DQ0]
+    q1: gl.shared_memory_descriptor  # [NC, 64, DQ1] (Dqk 192), else q
+    full: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, q, q1, full, empty):
+        self.q = q
+        self.q1 = q1
+        self.full = full
+        self.empty = empty
+
+
+@aggregate
+class KVSource:
+    """Where K/V rows live in global memory (element strides) and their 2-D TMA views."""
+
+    K: gl.tensor
+    V: gl.tensor
+    num_pages: gl.tensor
+    stride_kn: gl.tensor  # row (ragged) or page stride
+    stride_kh: gl.tensor
+    stride_ks: gl.tensor  # slot stride (paged)
+    stride_vn: gl.tensor
+    stride_vh: gl.tensor
+    stride_vs: gl.tensor
+    k_page_rows: gl.tensor  # TMA view rows per page
+    k_head_off: gl.tensor  # TMA view rows (K_HEAD_ROWS) or columns per KV head
+    v_page_rows: gl.tensor
+    v_head_off: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, K, V, num_pages, stride_kn, stride_kh, stride_ks, stride_vn, stride_vh, stride_vs,
+                 k_page_rows, k_head_off, v_page_rows, v_head_off):  # fmt: skip
+        self.K = K
+        self.V = V
+        self.num_pages = num_pages
+        self.stride_kn = stride_kn
+        self.stride_kh = stride_kh
+        self.stride_ks = stride_ks
+        self.stride_vn = stride_vn
+        self.stride_vh = stride_vh
+        self.stride_vs = stride_vs
+        self.k_page_rows = k_page_rows
+        self.k_head_off = k_head_off
+        self.v_page_rows = v_page_rows
+        self.v_head_off = v_head_off
+
+    @gluon.jit
+    def rows(self, w: WorkItem, t, geo: Geometry, LD: gl.constexpr):
+        """Element offsets (int64) of key tile t's K and V rows, as rows of layout LD, and the mask
+        of rows below ``hi``."""
+        cols = t * geo.BLOCK_N + gl.arange(0, geo.BLOCK_N, gl.SliceLayout(1, LD))
+        ok = cols < w.hi
+        if geo.PAGE_SIZE == 0:
+            k_off = (w.k_start + cols).to(gl.int64) * self.stride_kn
+            v_off = (w.v_start + cols).to(gl.int64) * self.stride_vn
+        else:
+            page = gl.load(w.BT_row + cols // geo.PAGE_SIZE, mask=ok, other=0)
+            page = gl.minimum(gl.maximum(page, 0), self.num_pages - 1).to(gl.int64)
+            slot = (cols % geo.PAGE_SIZE).to(gl.int64)
+            k_off = page * self.stride_kn + slot * self.stride_ks
+            v_off = page * self.stride_vn + slot * self.stride_vs
+        k_off = k_off + w.kv_head.to(gl.int64) * self.stride_kh
+        v_off = v_off + w.kv_head.to(gl.int64) * self.stride_vh
+        return k_off, v_off, ok
+
+    @gluon.jit
+    def gather(self, k_buf, k1_buf, v_buf, w: WorkItem, t, geo: Geometry):
+        """cp.async copies of key tile t's K rows (columns [0, DQ0) into k_buf, [DQ0, DQ0 + DQ1) into
+        k1_buf) and V rows; rows at or past ``hi`` zero-filled."""
+        NW: gl.constexpr = geo.LOAD_WARPS
+        DQ0: gl.constexpr = geo.DQ0
+        DQ1: gl.constexpr = geo.DQ1
+        DVO: gl.constexpr = geo.DVO
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DQ0 // 8), DQ0 // 8], [NW, 1], [1, 0])
+        k_off, v_off, ok = self.rows(w, t, geo, LD)
+        d = gl.arange(0, DQ0, gl.SliceLayout(0, LD))
+        async_copy.async_copy_global_to_shared(k_buf, self.K + k_off[:, None] + d[None, :], mask=ok[:, None])
+        if DQ1 > 0:
+            LD1: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DQ1 // 8), DQ1 // 8], [NW, 1], [1, 0])
+            k1_off, _, ok1 = self.rows(w, t, geo, LD1)
+            d1 = DQ0 + gl.arange(0, DQ1, gl.SliceLayout(0, LD1))
+            async_copy.async_copy_global_to_shared(k1_buf, self.K + k1_off[:, None] + d1[None, :], mask=ok1[:, None])
+        if DVO == DQ0:
+            async_copy.async_copy_global_to_shared(v_buf, self.V + v_off[:, None] + d[None, :], mask=ok[:, None])
+        else:
+            LDV: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DVO // 8), DVO // 8], [NW, 1], [1, 0])
+            _, vv_off, okv = self.rows(w, t, geo, LDV)
+            dv = gl.arange(0, DVO, gl.SliceLayout(0, LDV))
+            async_copy.async_copy_global_to_shared(v_buf, self.V + vv_off[:, None] + dv[None, :], mask=okv[:, None])
+
+
+@gluon.jit
+def _tma_coords(row, kv_head, head_off, HEAD_ROWS: gl.constexpr):
+    """(row, column) of a head's key row in a cache's 2-D TMA view, from the head-0 row."""
+    if HEAD_ROWS:
+        return row + kv_head * head_off, 0
+    return row, kv_head * head_off
+
+
+@gluon.jit
+def _issue_q(q_desc, slots: QSlots, w: WorkItem, r, geo: Geometry):
+    """Load warps (Q_TMA): round r's Q rows, NC slots of 64 rows (64 / GROUP tokens x GROUP heads),
+    as bulk-tensor copies of [64 / GROUP, GROUP, 64] boxes of the 3-D view [tokens, heads, Dqk] of
+    q, once every consumer is past round r-1's last QK GEMM (``empty``); they complete on
+    ``full``. A box is the 64-column tile of a slot (128-byte rows, the same swizzled bytes as a 2-D
+    box). Rows past the sequence read other tokens or zeros (past q's end); their results are never
+    stored. An item without key tiles is signalled without copies (no consumer reads its Q)."""
+    DQ0: gl.constexpr = geo.DQ0
+    DQ1: gl.constexpr = geo.DQ1
+    GROUP: gl.constexpr = geo.GROUP
+    mbarrier.wait(slots.empty, (r & 1) ^ 1)  # (also for empty items: no phase may run ahead)
+    if w.n_tiles == 0:
+        mbarrier.arrive(slots.full)
+    else:
+        mbarrier.expect(slots.full, geo.NC * 64 * (DQ0 + DQ1) * 2)
+        for ci in gl.static_range(geo.NC):
+            tok = w.q_start + (w.row0 + ci * 64) // GROUP
+            for h in gl.static_range(DQ0 // 64):
+                dst = slots.q.index(ci).slice(h * 64, 64, dim=1)
+                dst = dst._reinterpret(slots.q.dtype, [64 // GROUP, GROUP, 64], q_desc.layout)
+                tma.async_copy_global_to_shared(q_desc, [tok, w.kv_head * GROUP, h * 64], slots.full, dst)
+            for h in gl.static_range(DQ1 // 64):  # (Dqk 192: columns past 128 into q1)
+                dst = slots.q1.index(ci).slice(h * 64, 64, dim=1)
+                dst = dst._reinterpret(slots.q.dtype, [64 // GROUP, GROUP, 64], q_desc.layout)
+                tma.async_copy_global_to_shared(q_desc, [tok, w.kv_head * GROUP, DQ0 + h * 64], slots.full, dst)
+
+
+@gluon.jit
+def _load_partition(sched: Schedule, ring: KVRing, slots: QSlots, src: KVSource, k_desc, k1_desc, v_desc, q_desc,
+                    geo: Geometry):  # fmt: skip
+    """Load warps: fill stage c % STAGES with the program's c-th key tile (counted across its work
+    items) once every consumer released it.
+
+    cp.async mode: every load thread gathers rows and arrives when its own copies land (barrier
+    count = load threads). TMA mode (barrier count 1): tiles wholly below kv_len arrive as
+    bulk-tensor copies of PAGE_BOX rows each, completing on the barrier's byte count; the tile that
+    crosses kv_len is gathered with cp.async (rows past the keys zero-filled, so stale cache slots
+    never reach the PV GEMM) and signalled once all load threads' copies landed."""
+    STAGES: gl.constexpr = geo.STAGES
+    BLOCK_N: gl.constexpr = geo.BLOCK_N
+    PAGE_SIZE: gl.constexpr = geo.PAGE_SIZE
+    PAGE_BOX: gl.constexpr = geo.PAGE_BOX
+    DQ0: gl.constexpr = geo.DQ0
+    DQ1: gl.constexpr = geo.DQ1
+    c = gl.program_id(0) * 0  # tiles this program has loaded so far
+    r = gl.program_id(0) * 0  # rounds (items) so far
+    item = sched.claim(r)
+    while sched.more(item, r):
+        if sched.dynamic != 0:
+            sched.post(item, r, geo.LOAD_WARPS)
+        w = sched.work_item(item, geo, False)
+        # (Q_TMA: the item's Q goes out once its tile STAGES - 2 has a stage: the consumers have then
+        # released the tile two before it, so when the last item had >= 2 tiles they are past its last
+        # QK GEMM; with O_STAGE they hand the slots back only after the last item's epilogue read O
+        # from them, so the empty wait may wait for that; or after the item's last tile)
+        q_at = gl.minimum(w.n_tiles, STAGES - 2)
+        for t in range(w.n_tiles):
+            s = (c + t) % STAGES
+            mbarrier.wait(ring.empty.index(s), (((c + t) // STAGES) & 1) ^ 1)
+            if geo.Q_TMA:
+                if t == q_at:
+                    _issue_q(q_desc, slots, w, r, geo)
+            if geo.USE_TMA:
+                if (t + 1) * BLOCK_N <= w.kv_len:
+                    mbarrier.expect(ring.full.index(s), 2 * BLOCK_N * (DQ0 + DQ1 + geo.DVO))
+                    for p in gl.static_range(BLOCK_N // PAGE_BOX):
+                        pos = t * BLOCK_N + p * PAGE_BOX  # one box never crosses a page
+                        if PAGE_SIZE == 0:
+                            k_row = w.k_start + pos
+                            v_row = w.v_start + pos
+                        else:
+                            page = gl.load(w.BT_row + pos // PAGE_SIZE)
+                            page = gl.minimum(gl.maximum(page, 0), src.num_pages - 1)
+                            k_row = page * src.k_page_rows + pos % PAGE_SIZE
+                            v_row = page * src.v_page_rows + pos % PAGE_SIZE
+                        kr, kc = _tma_coords(k_row, w.kv_head, src.k_head_off, geo.K_HEAD_ROWS)
+                        vr, vc = _tma_coords(v_row, w.kv_head, src.v_head_off, geo.V_HEAD_ROWS)
+                        k_dst = ring.k.index(s).slice(p * PAGE_BOX, PAGE_BOX)
+                        v_dst = ring.v.index(s).slice(p * PAGE_BOX, PAGE_BOX)
+                        tma.async_copy_global_to_shared(k_desc, [kr, kc], ring.full.index(s), k_dst)
+                        if DQ1 > 0:
+                            k1_dst = ring.k1.index(s).slice(p * PAGE_BOX, PAGE_BOX)
+                            tma.async_copy_global_to_shared(k1_desc, [kr, kc + DQ0], ring.full.index(s), k1_dst)
+                        tma.async_copy_global_to_shared(v_desc, [vr, vc], ring.full.index(s), v_dst)
+                else:
+                    src.gather(ring.k.index(s), ring.k1.index(s), ring.v.index(s), w, t, geo)
+                    async_copy.commit_group()
+                    async_copy.wait_group(0)
+                    # (arrive follows a barrier of the load warps: all their copies have landed)
+                    mbarrier.arrive(ring.full.index(s))
+            else:
+                src.gather(ring.k.index(s), ring.k1.index(s), ring.v.index(s), w, t, geo)
+                async_copy.mbarrier_arrive(ring.full.index(s), increment_count=False)
+        if geo.Q_TMA:
+            if q_at == w.n_tiles:
+                _issue_q(q_desc, slots, w, r, geo)
+        c += w.n_tiles
+        r += 1
+        item = sched.claim(r)
+    if sched.dynamic != 0:  # (item >= total: the consumers' stop)
+        sched.post(item, r, geo.LOAD_WARPS)
+
+
+@aggregate
+class OutSink:
+    """Q in global memory (consumers' own copies), and where O and the LSE go."""
+
+    Q: gl.tensor
+    stride_qt: gl.tensor
+    stride_qh: gl.tensor
+    Out: gl.tensor
+    LSE: gl.tensor
+    stride_ot: gl.tensor
+    stride_oh: gl.tensor
+    num_heads_q: gl.tensor
+    qk_scale: gl.tensor  # softmax scale x log2(e)
+
+    @gluon.constexpr_function
+    def __init__(self, Q, stride_qt, stride_qh, Out, LSE, stride_ot, stride_oh, num_heads_q, qk_scale):
+        self.Q = Q
+        self.stride_qt = stride_qt
+        self.stride_qh = stride_qh
+        self.Out = Out
+        self.LSE = LSE
+        self.stride_ot = stride_ot
+        self.stride_oh = stride_oh
+        self.num_heads_q = num_heads_q
+        self.qk_scale = qk_scale
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, qk_scale, start_n, diag, kv_len, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+    """Online-softmax step on one S tile: returns (p, m, l, alpha), p unnormalised (fp32)."""
+    if MASKED:
+        # scale first, then mask: a masked -inf must never meet a zero scale
+        cols = start_n + gl.arange(0, s.shape[1], gl.SliceLayout(0, s.type.layout))
+        s = s * qk_scale
+        if CAUSAL:
+            visible = cols[None, :] <= diag[:, None]
+        else:
+            visible = (cols < kv_len)[None, :]
+        s = gl.where(visible, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet
+        p = gl.exp2(s - m_use[:, None])
+    else:
+        # every key visible to every row and qk_scale > 0: max(s) * scale = max(s * scale)
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        m_use = m_new
+        p = gl.exp2(s * qk_scale - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def _qk_async(q_sub, q1_sub, k_buf, k1_buf, s_zero, DQ1: gl.constexpr):
+    """S = Q K^T as asynchronous wgmmas (a second one for key columns past 128 when DQ1 > 0)."""
+    tok = warpgroup_mma(q_sub, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if DQ1 > 0:
+        tok = warpgroup_mma(q1_sub, k1_buf.permute((1, 0)), tok, is_async=True)
+    return tok
+
+
+@gluon.jit
+def _q_cols_async(buf, w: WorkItem, out: OutSink, R0: gl.constexpr, geo: Geometry, C0: gl.constexpr,
+                  NCOL: gl.constexpr):  # fmt: skip
+    """cp.async copies of columns [C0, C0 + NCOL) of work item w's Q rows [row0 + R0, row0 + R0 +
+    SUB_M) into buf; rows past the sequence zero-filled."""
+    GROUP: gl.constexpr = geo.GROUP
+    LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (NCOL // 8), NCOL // 8], [4, 1], [1, 0])
+    rows = w.row0 + R0 + gl.arange(0, geo.SUB_M, gl.SliceLayout(1, LD))
+    tok = rows // GROUP
+    head = w.kv_head * GROUP + rows % GROUP
+    off = (w.q_start + tok).to(gl.int64) * out.stride_qt + head.to(gl.int64) * out.stride_qh
+    d = C0 + gl.arange(0, NCOL, gl.SliceLayout(0, LD))
+    async_copy.async_copy_global_to_shared(buf, out.Q + off[:, None] + d[None, :], mask=(tok < w.q_len)[:, None])
+
+
+@gluon.jit
+def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSink, R0: gl.constexpr,
+                        geo: Geometry):  # fmt: skip
+    """One consumer warpgroup: rows [row0 + R0, row0 + R0 + SUB_M) of each work item's block."""
+    GROUP: gl.constexpr = geo.GROUP
+    DQ1: gl.constexpr = geo.DQ1
+    DVO: gl.constexpr = geo.DVO
+    SUB_M: gl.constexpr = geo.SUB_M
+    BLOCK_N: gl.constexpr = geo.BLOCK_N
+    STAGES: gl.constexpr = geo.STAGES
+    CAUSAL: gl.constexpr = geo.CAUSAL
+    dtype: gl.constexpr = slots.q.dtype
+    Out = out.Out
+    qk_scale = out.qk_scale
+    # Q_TMA: the slot goes back to the load warps after this warpgroup's last QK GEMM of an item, or,
+    # when O is staged through it, after O is read back from it
+    Q_EARLY: gl.constexpr = geo.Q_TMA and geo.O_STAGE != 1
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DVO, 16])
+    P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    q_sub = slots.q.index(R0 // SUB_M)
+    if DQ1 > 0:
+        q1_sub = slots.q1.index(R0 // SUB_M)
+    else:
+        q1_sub = q_sub
+    c = gl.program_id(0) * 0  # key tiles this program has consumed so far
+    r = gl.program_id(0) * 0  # rounds (items) so far
+    item = sched.take(r)
+    while sched.more(item, r):
+        w = sched.work_item(item, geo, geo.HAS_LSE)
+        # this warpgroup's Q rows -> its own slot, once all its warps are past the previous item's GEMMs
+        if geo.Q_TMA:  # (the load warps' copies)
+            # (every mbarrier.arrive of a warpgroup here is lowered as a bar.sync of its 128 threads
+            # and one elected arrive: no warp can lag a round behind the arrival)
+            mbarrier.wait(slots.full, r & 1)
+        else:
+            gl.thread_barrier()
+            _q_cols_async(q_sub, w, out, R0, geo, 0, geo.DQ0)
+            if DQ1 > 0:
+                _q_cols_async(q1_sub, w, out, R0, geo, geo.DQ0, DQ1)
+            async_copy.commit_group()
+            async_copy.wait_group(0)
+            fence_async_shared()
+            gl.thread_barrier()
+        rows_s = w.row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, S_L))
+        tok_s = rows_s // GROUP
+        diag = tok_s + (w.kv_len - w.q_len)
+        m_i = gl.full([SUB_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
+        l_i = gl.zeros([SUB_M], gl.float32, gl.SliceLayout(1, S_L))
+        acc = gl.zeros([SUB_M, DVO], gl.float32, O_L)
+        s_zero = gl.zeros([SUB_M, BLOCK_N], gl.float32, S_L)
+        p_op = gl.zeros([SUB_M, BLOCK_N], dtype, P_L)
+        n_walk = w.n_tiles  # key tiles this warpgroup computes; below full_own none is masked
+        full_own = w.full
+        if CAUSAL:
+            # (this warpgroup's rows lie inside the block's: its range is within the block's)
+            _, n_walk, full_own = _key_range(w.row0 + R0, w.q_len, w.kv_len, SUB_M, geo)
+        alpha = gl.full([SUB_M], 1.0, gl.float32, gl.SliceLayout(1, O_L))
+        if Q_EARLY:
+            if n_walk == 0:  # (the slot is free once this warpgroup's last QK GEMM is done)
+                mbarrier.arrive(slots.empty)
+        if n_walk > 0:  # tile 0: nothing to overlap its softmax with yet
+            s0 = c % STAGES
+            mbarrier.wait(ring.full.index(s0), (c // STAGES) & 1)
+            fence_async_shared()
+            s_tok = _qk_async(q_sub, q1_sub, ring.k.index(s0), ring.k1.index(s0), s_zero, DQ1)
+            sc = warpgroup_mma_wait(0, deps=[s_tok])
+            if Q_EARLY:
+                if n_walk == 1:
+                    mbarrier.arrive(slots.empty)
+            if full_own > 0:
+                p, m_i, l_i, alpha0 = _softmax(sc, m_i, l_i, qk_scale, 0, diag, w.kv_len, False, CAUSAL)
+            else:
+                p, m_i, l_i, alpha0 = _softmax(sc, m_i, l_i, qk_scale, 0, diag, w.kv_len, True, CAUSAL)
+            p_op = gl.convert_layout(p.to(dtype), P_L)
+        for j in range(1, n_walk):
+            s = (c + j) % STAGES
+            prev = (c + j - 1) % STAGES
+            mbarrier.wait(ring.full.index(s), ((c + j) // STAGES) & 1)
+            fence_async_shared()
+            # S_j = Q K_j^T in flight while O is rescaled for tile j-1 (off the path from the PV
+            # GEMM's wait to the next PV GEMM); then O += P_{j-1} V_{j-1} joins it, and softmax(S_j)
+            # overlaps the PV GEMM
+            s_tok = _qk_async(q_sub, q1_sub, ring.k.index(s), ring.k1.index(s), s_zero, DQ1)
+            if j > 1:  # (tile 0 left O zero)
+                acc = acc * alpha[:, None]
+            o_tok = warpgroup_mma(p_op, ring.v.index(prev), acc, is_async=True)
+            sc = warpgroup_mma_wait(1, deps=[s_tok])
+            if Q_EARLY:
+                if j == n_walk - 1:
+                    mbarrier.arrive(slots.empty)
+            if j * BLOCK_N < full_own:
+                p, m_i, l_i, alpha_s = _softmax(sc, m_i, l_i, qk_scale, j * BLOCK_N, diag, w.kv_len, False, CAUSAL)
+                alpha = gl.convert_layout(alpha_s, gl.SliceLayout(1, O_L))
+            else:
+                p, m_i, l_i, alpha_s = _softmax(sc, m_i, l_i, qk_scale, j * BLOCK_N, diag, w.kv_len, True, CAUSAL)
+                alpha = gl.convert_layout(alpha_s, gl.SliceLayout(1, O_L))
+            acc = warpgroup_mma_wait(0, deps=[o_tok])
+            mbarrier.arrive(ring.empty.index(prev))
+            p_op = gl.convert_layout(p.to(dtype), P_L)
+        if n_walk > 0:
+            last = (c + n_walk - 1) % STAGES
+            if n_walk > 1:
+                acc = acc * alpha[:, None]
+            o_tok = warpgroup_mma(p_op, ring.v.index(last), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[o_tok])
+            mbarrier.arrive(ring.empty.index(last))
+        if CAUSAL:  # tiles past this warpgroup's last key: released unread, in ring order
+            for j in range(n_walk, w.n_tiles):
+                mbarrier.wait(ring.full.index((c + j) % STAGES), ((c + j) // STAGES) & 1)
+                mbarrier.arrive(ring.empty.index((c + j) % STAGES))
+        c += w.n_tiles
+
+        has_key = l_i > 0.0
+        inv_l = gl.where(has_key, 1.0 / gl.where(has_key, l_i, 1.0), 0.0)
+        lse2 = gl.where(has_key, m_i + gl.log2(gl.where(has_key, l_i, 1.0)), float("-inf"))
+        o = (acc * gl.convert_layout(inv_l, gl.SliceLayout(1, O_L))[:, None]).to(Out.dtype.element_ty)
+        if geo.O_STAGE == 1:
+            # through this warpgroup's Q slot (its last QK GEMM is done) into rows of 16-byte
+            # vectors: each warp stores whole 2^k-byte row segments instead of 16-byte pieces of 8
+            # rows (the wgmma accumulator's layout)
+            gl.thread_barrier()
+            q_sub.store(o)
+            gl.thread_barrier()
+            TPW_D: gl.constexpr = DVO // 8
+            ST_L: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [4, 1], [1, 0])
+            o_st = q_sub.load(ST_L)
+            if geo.Q_TMA:  # (the slot goes back to the load warps; arrive syncs the group)
+                fence_async_shared()  # (O's generic-proxy writes before the next Q's TMA writes)
+                mbarrier.arrive(slots.empty)
+            rows_o = w.row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, ST_L))
+            d_o = gl.arange(0, DVO, gl.SliceLayout(0, ST_L))
+        else:
+            o_st = o
+            rows_o = w.row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, O_L))
+            d_o = gl.arange(0, DVO, gl.SliceLayout(0, O_L))
+        tok_o = rows_o // GROUP
+        head_o = w.kv_head * GROUP + rows_o % GROUP
+        o_off = (w.o_start + tok_o).to(gl.int64) * out.stride_ot + head_o.to(gl.int64) * out.stride_oh
+        gl.store(Out + o_off[:, None] + d_o[None, :], o_st, mask=(tok_o < w.q_len)[:, None])
+        if geo.HAS_LSE:
+            head_s = w.kv_head * GROUP + rows_s % GROUP
+            lse_off = w.lse_start.to(gl.int64) + tok_s.to(gl.int64) * out.num_heads_q + head_s
+            gl.store(out.LSE + lse_off, lse2 * 0.6931471805599453, mask=tok_s < w.q_len)
+        r += 1
+        item = sched.take(r)
+
+
+@gluon.jit(
+    do_not_specialize=["meta_stride", "batch_size", "num_m_blocks", "num_pages", "chunk_pairs", "dynamic"],
+    do_not_specialize_on_alignment=["BT", "LSE", "COUNTER"],
+)
+def attention_kernel(
+    Q, K, V, Out, LSE, META, BT, COUNTER, dynamic, sm_scale_log2, meta_stride, batch_size, num_m_blocks, num_pages,
+    stride_qt, stride_qh, stride_kn, stride_kh, stride_ks, stride_vn, stride_vh, stride_vs, stride_ot,
+    stride_oh, num_heads_q, num_kv_heads, chunk_pairs, k_desc, k1_desc, v_desc, q_desc, k_page_rows, k_head_off,
+    v_page_rows, v_head_off,
+    GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, DQK: gl.constexpr, DVO: gl.constexpr, NC: gl.constexpr,
+    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, HAS_LSE: gl.constexpr, STAGES: gl.constexpr,
+    LOAD_WARPS: gl.constexpr, CONS_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, USE_TMA: gl.constexpr,
+    PAGE_BOX: gl.constexpr, K_HEAD_ROWS: gl.constexpr, V_HEAD_ROWS: gl.constexpr, Q_TMA: gl.constexpr,
+    O_STAGE: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each; the kernel's own
+    num_warps (4) are the first consumer. The ``num_kv_heads * batch_size * num_m_blocks`` work
+    items are dealt to a persistent grid (see :class:`Schedule`)."""
+    geo = Geometry(GROUP, PAGE_SIZE, DQK, DVO, NC, BLOCK_N, STAGES, CAUSAL, HAS_LSE, LOAD_WARPS, USE_TMA, PAGE_BOX,
+                   K_HEAD_ROWS, V_HEAD_ROWS, Q_TMA, O_STAGE)  # fmt: skip
+    dtype: gl.constexpr = Q.dtype.element_ty
+    SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+    q_smem = gl.allocate_shared_memory(dtype, [NC, geo.SUB_M, geo.DQ0], SMEM)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, geo.DQ0], SMEM)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DVO], SMEM)
+    if geo.DQ1 > 0:
+        q1_smem = gl.allocate_shared_memory(dtype, [NC, geo.SUB_M, geo.DQ1], SMEM)
+        k1_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, geo.DQ1], SMEM)
+    else:  # (unused)
+        q1_smem = q_smem
+        k1_smem = k_smem
+    kv_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(kv_full.index(i), count=1 if USE_TMA else LOAD_WARPS * 32)
+        mbarrier.init(kv_empty.index(i), count=NC)
+    # dynamic != 0: items come off the work counter; the load warps hand them to the consumers
+    # through a ring of item ids (ITEM_RING slots, with full and empty barriers)
+    item_ids = gl.allocate_shared_memory(gl.int32, [ITEM_RING, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    item_full = gl.allocate_shared_memory(gl.int64, [ITEM_RING, 1], mbarrier.MBarrierLayout())
+    item_empty = gl.allocate_shared_memory(gl.int64, [ITEM_RING, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(ITEM_RING):
+        mbarrier.init(item_full.index(i), count=1)
+        mbarrier.init(item_empty.index(i), count=NC)
+    # Q_TMA: the load warps copy each item's Q (full, by bytes) once every consumer's last QK GEMM of
+    # the item before is done (empty)
+    if Q_TMA:
+        q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_full, count=1)
+        mbarrier.init(q_empty, count=NC)
+    else:  # (unused)
+        q_full = kv_full.index(0)
+        q_empty = kv_empty.index(0)
+    fence_async_shared()
+
+    # ints specialised to 1 arrive as constexprs; partitions take tensors
+    n_bh = gl.to_tensor(num_kv_heads) * batch_size
+    total = n_bh * num_m_blocks
+    sched = Schedule(META, BT, gl.to_tensor(meta_stride), gl.to_tensor(num_kv_heads), n_bh, gl.to_tensor(num_m_blocks),
+                     gl.to_tensor(chunk_pairs), total, COUNTER, gl.to_tensor(dynamic),
+                     item_ids, item_full, item_empty)  # fmt: skip
+    ring = KVRing(k_smem, k1_smem, v_smem, kv_full, kv_empty)
+    slots = QSlots(q_smem, q1_smem, q_full, q_empty)
+    src = KVSource(K, V, gl.to_tensor(num_pages), gl.to_tensor(stride_kn), gl.to_tensor(stride_kh),
+                   gl.to_tensor(stride_ks), gl.to_tensor(stride_vn), gl.to_tensor(stride_vh), gl.to_tensor(stride_vs),
+                   gl.to_tensor(k_page_rows), gl.to_tensor(k_head_off), gl.to_tensor(v_page_rows),
+                   gl.to_tensor(v_head_off))  # fmt: skip
+    out = OutSink(Q, gl.to_tensor(stride_qt), gl.to_tensor(stride_qh), Out, LSE, gl.to_tensor(stride_ot),
+                  gl.to_tensor(stride_oh), gl.to_tensor(num_heads_q), gl.to_tensor(sm_scale_log2))  # fmt: skip
+    R0: gl.constexpr = 0
+    R1: gl.constexpr = geo.SUB_M
+    R2: gl.constexpr = 2 * geo.SUB_M
+    if NC == 2:
+        gl.warp_specialize(
+            [
+                (_consumer_partition, (sched, ring, slots, out, R0, geo)),
+                (_consumer_partition, (sched, ring, slots, out, R1, geo)),
+                (_load_partition, (sched, ring, slots, src, k_desc, k1_desc, v_desc, q_desc, geo)),
+            ],
+            [4, LOAD_WARPS],
+            [CONS_REGS, LOAD_REGS],
+        )
+    else:
+        gl.warp_specialize(
+            [
+                (_consumer_partition, (sched, ring, slots, out, R0, geo)),
+                (_consumer_partition, (sched, ring, slots, out, R1, geo)),
+                (_consumer_partition, (sched, ring, slots, out, R2, geo)),
+                (_load_partition, (sched, ring, slots, src, k_desc, k1_desc, v_desc, q_desc, geo)),
+            ],
+            [4, 4, LOAD_WARPS],
+            [CONS_REGS, CONS_REGS, LOAD_REGS],
+        )

@@ -1,0 +1,107 @@
+"""Which backend serves a batch: the registry, ``backend="auto"``'s policy and :func:`last_backend`.
+
+A backend is one registry line here and one module (or package) under ``pagedprefill.backends``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from types import ModuleType
+
+from pagedprefill.batch import BackendUnavailableError, PrefillBatch, fail
+
+BACKENDS = ("auto", "cudnn", "triton", "torch")
+_MODULES = {
+    "torch": "pagedprefill.backends.torch_ref",
+    "triton": "pagedprefill.backends.triton",
+    "cudnn": "pagedprefill.backends.cudnn",
+}
+_LAST = threading.local()
+
+
+def backend_module(name: str) -> ModuleType:
+    return importlib.import_module(_MODULES[name])
+
+
+def check_backend(backend: object) -> str:
+    """The requested backend's name ("auto" for None), or a ValueError naming the choices."""
+    if backend is None:
+        return "auto"
+    if backend not in BACKENDS:
+        raise fail("backend", f"one of {BACKENDS} or None", repr(backend))
+    return backend
+
+
+def support(name: str, batch: PrefillBatch) -> str | None:
+    """Why backend ``name`` cannot serve ``batch`` (None when it can)."""
+    try:
+        module = backend_module(name)
+    except ImportError as exc:
+        return f"its module cannot be imported ({exc})"
+    reason = module.unavailable_reason(batch.device)
+    return reason if reason is not None else module.unsupported_reason(batch)
+
+
+def auto_order(batch: PrefillBatch, workspace_bytes: int | None = None) -> list[str]:
+    """Backends in the order ``auto`` tries them (fastest first), from the H200 measurements in
+    ``bench/results`` (each backend's device time, side by side in one run):
+
+    * wherever this project's Hopper kernel serves the call (16-bit, Dqk = Dvo in {64, 128} or
+      Dqk 192 / Dvo 128, sm_90): Triton, ahead of cuDNN on every such workload measured (page sizes
+      16 and 64, ragged, 64 to 16k query tokens, GQA 4-8, MLA);
+    * page sizes under 16 (per-key gathers, where cuDNN's paged kernel is slow), fp8 (cuDNN refuses
+      fp8 attention before Blackwell) and logit soft-capping or CSR pages (cuDNN has neither): Triton;
+    * everything else (other head dims on the portable kernel): cuDNN first.
+
+    A backend that cannot serve the call (a head dim it refuses, no graph built yet during CUDA graph
+    capture, package missing) falls through to the next one."""
+    if batch.device.type != "cuda":
+        return ["torch"]
+    try:
+        from pagedprefill.backends import triton as tb
+
+        hopper = tb.uses_hopper_kernel(batch, workspace_bytes)
+    except ImportError:
+        hopper = False
+    triton_first = hopper or (
+        (batch.paged and batch.page_size < 16)
+        or batch.fp8_q
+        or batch.fp8_kv
+        or batch.logits_soft_cap > 0
+        or batch.pages == "csr"
+    )
+    return ["triton", "cudnn", "torch"] if triton_first else ["cudnn", "triton", "torch"]
+
+
+def choose(batch: PrefillBatch, backend: str, workspace_bytes: int | None = None) -> ModuleType:
+    """The backend module that serves ``batch`` (``backend`` checked by :func:`check_backend`)."""
+    if backend != "auto":
+        try:
+            module = backend_module(backend)
+        except ImportError as exc:
+            raise BackendUnavailableError(f"backend={backend!r} is unavailable: {exc}") from exc
+        reason = module.unavailable_reason(batch.device)
+        if reason is not None:
+            raise BackendUnavailableError(f"backend={backend!r} is unavailable: {reason}")
+        reason = module.unsupported_reason(batch)
+        if reason is not None:
+            raise ValueError(f"backend={backend!r} cannot serve this call: {reason}")
+        return module
+    reasons = []
+    for name in auto_order(batch, workspace_bytes):
+        reason = support(name, batch)
+        if reason is None:
+            return backend_module(name)
+        reasons.append(f"{name}: {reason}")
+    raise ValueError("backend='auto': no backend can serve this call (" + "; ".join(reasons) + ")")
+
+
+def set_last(name: str) -> None:
+    _LAST.backend = name
+
+
+def last_backend() -> str | None:
+    """The backend that served the most recent successful call in this thread (e.g. what "auto"
+    picked), or None before the first call."""
+    return getattr(_LAST, "backend", None)

@@ -1,0 +1,150 @@
+"""Launching Triton/Gluon kernels with little host time, and whether Triton can run on a device.
+
+``TRITON_INTERPRET``: Triton decides when a kernel is decorated (at the first import of the module
+that defines it) whether it runs in the CPU interpreter. Set ``TRITON_INTERPRET=1`` before the
+first import of pagedprefill to run the Triton kernels on the CPU; :func:`unavailable_reason`
+names the case where it was set too late.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # triton is optional
+    import triton
+
+    IMPORT_ERROR: str | None = None
+except Exception as exc:  # pragma: no cover - depends on the environment
+    triton = None
+    IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+try:
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except Exception:  # pragma: no cover - a Triton without Gluon
+    TensorDescriptor = None
+
+# Whether the kernels of this process were built for the interpreter (decided once, at import).
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+GRID_LIMIT = 65535  # CUDA's limit of grid dims y and z
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why Triton kernels cannot run on ``device`` (None when they can)."""
+    if triton is None:
+        return f"triton is not importable ({IMPORT_ERROR}); pip install triton"
+    if device.type == "cuda":
+        if INTERPRETED:
+            return None  # the interpreter copies device tensors to the host and back
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:
+            return f"the Triton kernels need CUDA compute capability >= 8.0, this GPU has {major}.{minor}"
+        return None
+    if device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET", "0") != "1":
+            return "no CUDA GPU; set TRITON_INTERPRET=1 to run the Triton kernels on the CPU through the interpreter"
+        if not INTERPRETED:
+            return (
+                "TRITON_INTERPRET=1 was set after pagedprefill was imported (Triton picks the "
+                "interpreter when the kernels are decorated); set it before the import"
+            )
+        return None
+    return f"device type {device.type!r} is not supported by the Triton kernels (CUDA only)"
+
+
+def grid_chunks(n_y: int, n_z: int):
+    """``(y0, ny, z0, nz)`` pieces of a grid whose y and z extents may pass CUDA's 65535 limit."""
+    for y0 in range(0, n_y, GRID_LIMIT):
+        for z0 in range(0, n_z, GRID_LIMIT):
+            yield y0, min(GRID_LIMIT, n_y - y0), z0, min(GRID_LIMIT, n_z - z0)
+
+
+# --------------------------------------------------------------------------------------------
+# Launching without Triton's per-call argument binding
+# --------------------------------------------------------------------------------------------
+
+_LAUNCHES: dict = {}  # (kernel, device, knobs, kwargs, specialisation of args) -> (compiled, constexprs)
+_LAUNCHES_MAX = 4096
+# the Triton internals relied on (CompiledKernel[grid](*all params), KernelParam, knobs), as checked
+_FAST_LAUNCH_TRITON = ("3", "6")
+_TRITON_MINOR = tuple(triton.__version__.split(".")[:2]) if triton is not None else None
+
+
+class _Uncacheable(Exception):
+    """An argument fast_launch cannot key exactly: that launch goes through Triton's own path."""
+
+
+def _spec_of(a: object) -> object:
+    """At least everything Triton specialises a runtime argument on (finer is safe: a miss only means
+    one launch through Triton's own path). Only tensors, ints, floats, bools, None and descriptors."""
+    t = type(a)
+    if t is int:
+        if -(2**31) <= a < 2**31:
+            wide = 0
+        elif -(2**63) <= a < 2**63:
+            wide = 1
+        elif 0 <= a < 2**64:
+            wide = 2
+        else:
+            raise _Uncacheable  # Triton refuses it: let it say so
+        return (a == 1, a % 16 == 0, wide)
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    if a is None or t is bool:
+        return a
+    if t is float:
+        return float
+    if TensorDescriptor is not None and t is TensorDescriptor:  # specialised on dtype, block and layout only
+        return (t, a.base.dtype, tuple(a.block_shape), a.layout, a.padding)
+    raise _Uncacheable  # tuples, constexprs, other descriptors, tensor-likes, ...
+
+
+def _kwargs_key(kwargs: dict) -> tuple:
+    """Constexprs and options by type and value (True, 1 and 1.0 compile apart); floats are not
+    keyed (0.0 == -0.0, NaN != NaN)."""
+    out = []
+    for k, v in kwargs.items():
+        if type(v) is float:
+            raise _Uncacheable
+        out.append((k, type(v), v))
+    return tuple(out)
+
+
+def fast_launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
+    """``kernel[grid](*args, **kwargs)`` where ``args`` are the positional (runtime) parameters and
+    ``kwargs`` the constexprs and launch options. A launch whose argument specialisation, kwargs and
+    device match an earlier one calls that compiled kernel directly, which skips Triton's per-call
+    binding (about 30 µs of host time for a kernel with 30 arguments). The compiled kernel's own
+    launcher still calls Triton's launch hooks (profilers); a kernel with pre-run hooks, a callable
+    grid, another Triton version and the interpreter always take Triton's own path."""
+    if INTERPRETED or kernel.pre_run_hooks or callable(grid) or _TRITON_MINOR != _FAST_LAUNCH_TRITON:
+        kernel[grid](*args, **kwargs)
+        return
+    try:
+        jit_knobs = (triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode)
+        device = triton.runtime.driver.active.get_current_device()
+        key = (kernel, device, jit_knobs, _kwargs_key(kwargs), tuple(_spec_of(a) for a in args))
+        hit = _LAUNCHES.get(key)
+    except (_Uncacheable, TypeError):  # TypeError: an unhashable option
+        kernel[grid](*args, **kwargs)
+        return
+    if hit is not None:
+        compiled, constexprs = hit
+        compiled[(*grid, 1, 1)[:3]](*args, *constexprs)
+        return
+    compiled = kernel[grid](*args, **kwargs)
+    rest = kernel.params[len(args) :]
+    if compiled is None or not hasattr(compiled, "function") or not all(p.is_constexpr for p in rest):
+        return
+    if len(_LAUNCHES) >= _LAUNCHES_MAX:
+        _LAUNCHES.clear()
+    _LAUNCHES[key] = (compiled, tuple(kwargs[p.name] if p.name in kwargs else p.default for p in rest))
+
+
+def compiled_variants(*kernels) -> int:
+    """Kernel variants compiled so far in this process (all devices) for ``kernels``; 0 under the
+    interpreter."""
+    if triton is None or INTERPRETED:
+        return 0
+    return sum(sum(len(cache[0]) for cache in k.device_caches.values()) for k in kernels if k is not None)

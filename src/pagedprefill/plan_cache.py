@@ -1,0 +1,82 @@
+"""The one-shot call's cache: a call whose signature matches an earlier one reuses its plan.
+
+A serving engine calls the function once per layer with the same lengths, tables and workspace and
+new q / K / V / out tensors of the same layout. Everything a plan depends on is in the signature:
+every tensor's layout (shape, strides, dtype, device, 16-byte alignment), the contents of lengths
+and offsets given on the host, the layouts of device inputs whose contents kernels read at every
+run (block tables, device lengths and offsets, scales, sinks), the workspace's size, every scalar,
+the thread (cuDNN handles are per thread) and the tuning generation. The cache holds no tensor of
+any call: device inputs are passed again at every run, so a cached plan pins no caller buffer.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import Tensor
+
+from pagedprefill import tuning
+
+MAX_PLANS = 64  # the cache is cleared when full
+_PLANS: dict[tuple, object] = {}
+_LOCK = threading.Lock()
+
+
+def _layout(t: object) -> tuple | None:
+    if t is None:
+        return ()
+    if not isinstance(t, Tensor):
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+
+
+def _vector(t: object) -> tuple | None:
+    """A length / offset vector: by contents on the host, by layout on the device."""
+    if t is None:
+        return ()
+    if not isinstance(t, Tensor):
+        return None
+    if t.device.type != "cpu":
+        return ("dev", t.shape, t.stride(), t.dtype, t.device)
+    if t.dim() not in (1, 4) or t.dtype not in (torch.int32, torch.int64):
+        return None
+    return (t.dtype, t.shape, tuple(t.reshape(-1).tolist()))
+
+
+def _scale(s: object) -> tuple | None:
+    if s is None:
+        return ()
+    if type(s) in (float, int):
+        return ("v", s)
+    if isinstance(s, Tensor) and s.device.type != "cpu":
+        return _layout(s)
+    return None
+
+
+def signature(tensors: tuple, vectors: tuple, scales: tuple, scalars: tuple) -> tuple | None:
+    """The key of a call, or None when it must take the full path (an argument of an unexpected type,
+    a CPU scale tensor, or a call under CUDA stream capture with host lengths)."""
+    parts = [tuple(_layout(t) for t in tensors), tuple(_vector(t) for t in vectors), tuple(_scale(s) for s in scales)]
+    for p in parts:
+        if None in p:
+            return None
+    return (*parts, scalars, threading.get_ident(), tuning.generation)
+
+
+def get(key: tuple | None):
+    return _PLANS.get(key) if key is not None else None
+
+
+def put(key: tuple | None, value) -> None:
+    if key is None:
+        return
+    with _LOCK:
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = value
+
+
+def clear() -> None:
+    """Forget every cached call plan."""
+    _PLANS.clear()

@@ -1,0 +1,268 @@
+"""Plan once per batch, run per layer.
+
+A :class:`PrefillPlan` holds what is fixed for a batch (its :class:`~pagedprefill.batch.Sequences`,
+the device metadata when the lengths are on the host, the page table and the device lengths it
+reads at every run) and, per layout of the layer tensors it has been run with, the chosen
+backend's plan. :meth:`PrefillPlan.run` then checks the layer's tensors against the plan (a few
+comparisons when the layout was seen before), checks that no output overlaps an input, and
+launches.
+"""
+
+from __future__ import annotations
+
+import math
+import torch
+from torch import Tensor
+
+from pagedprefill import dispatch, normalise, workspace
+from pagedprefill.batch import CallTensors, DeviceVectors, PrefillBatch, Sequences, fail
+
+
+class LayerPlan:
+    """One layout of the layer tensors: its batch and its backend's plan."""
+
+    __slots__ = ("batch", "backend", "name", "meta_bytes", "out_shape", "lse_shape", "bounds", "return_lse")
+
+    def __init__(self, batch: PrefillBatch, backend, name: str, meta_bytes: int, out_shape, lse_shape, bounds, ret):
+        self.batch, self.backend, self.name = batch, backend, name
+        self.meta_bytes, self.out_shape, self.lse_shape, self.bounds = meta_bytes, out_shape, lse_shape, bounds
+        self.return_lse = ret
+
+
+def _layout_key(t: object) -> tuple | None:
+    if t is None:
+        return None
+    if not isinstance(t, Tensor):
+        return (type(t),)
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+
+
+def _scale_key(s: object) -> object:
+    if s is None or isinstance(s, Tensor):
+        return _layout_key(s)
+    return type(s)
+
+
+class PrefillPlan:
+    """A planned batch. Build it with :func:`pagedprefill.plan` (or a FlashInfer wrapper's ``plan``);
+    call :meth:`run` once per layer."""
+
+    def __init__(
+        self,
+        seq: Sequences,
+        vectors: DeviceVectors | None,
+        pages: Tensor | None,
+        *,
+        device: torch.device,
+        backend: str,
+        workspace_buffer: Tensor | None,
+        o_data_type: torch.dtype | None = None,
+        num_pages: int | None = None,
+        return_lse: bool = False,
+    ):
+        self.seq = seq
+        self.vectors = vectors
+        self.pages = pages
+        self.device = device
+        self.backend = dispatch.check_backend(backend)
+        self.workspace = workspace_buffer
+        self.o_data_type = o_data_type
+        self.default_return_lse = return_lse
+        self.layers: dict[tuple, LayerPlan] = {}
+        self.meta: Tensor | None = None
+        self._copy_event = None
+        if pages is not None and num_pages is not None:
+            normalise.check_page_ids(pages, seq, num_pages)
+        if seq.host is not None:
+            self.meta = workspace.host_table(seq.host, device)
+            if device.type == "cuda" and seq.batch_size:
+                self._copy_event = torch.cuda.Event()
+                self._copy_event.record()
+
+    # ----------------------------------------------------------------------------------------
+    # per layout
+    # ----------------------------------------------------------------------------------------
+
+    def layer(self, q, k, v, out, lse, scales, sinks, return_lse: bool, ws: Tensor) -> LayerPlan:
+        """The plan of this layout (made and checked the first time it is seen)."""
+        key = (
+            _layout_key(q), _layout_key(k), _layout_key(v), _layout_key(out), _layout_key(lse),
+            tuple(_scale_key(s) for s in scales), _layout_key(sinks), return_lse, ws.numel(),
+        )  # fmt: skip
+        lp = self.layers.get(key)
+        if lp is None:
+            lp = self.layers[key] = self._make_layer(q, k, v, out, lse, scales, sinks, return_lse, ws)
+        return lp
+
+    def _make_layer(self, q, k, v, out, lse, scales, sinks, return_lse, ws) -> LayerPlan:
+        seq = self.seq
+        q, k, v, shape = normalise.layer_tensors(q, k, v, seq.page_size > 0)
+        if not normalise.same_device(q.device, self.device):
+            raise fail("q", f"a tensor on the plan's device {self.device}", f"one on {q.device}")
+        o_dtype = normalise.resolve_out_dtype(q.dtype, self.o_data_type, out)
+        q_s, k_s, v_s = normalise.scales(q.dtype, k.dtype, *scales, q.device, seq.graph_mode)
+        normalise.sinks_arg(sinks, seq.num_qo_heads, q.device)
+        if return_lse and seq.lse == "none":
+            raise fail("return_lse", "False: the plan was made without an LSE layout (plan with return_lse=True)", True)
+        lse_mode = seq.lse if return_lse else "none"
+        out_allocated = out is None
+        if out is None:
+            rows = normalise.alloc_rows(seq, q.shape[0], "o")
+            out = torch.empty((rows, shape.num_qo_heads, shape.head_dim_vo), dtype=o_dtype, device=q.device)
+        else:
+            out = normalise.check_tensor("out", out, 3, q.device)
+            if out.dtype != o_dtype:
+                raise fail("out", f"dtype {o_dtype} (o_data_type)", out.dtype)
+        lse_shape = None
+        if lse_mode != "none":
+            if lse is None:
+                if lse_mode == "packed":
+                    lse_shape = (normalise.alloc_rows(seq, q.shape[0], "stats"), seq.num_qo_heads)
+                else:
+                    lse_shape = (seq.batch_size, seq.max_q, seq.num_qo_heads)
+                lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+            else:
+                _check_lse(lse, seq, q.device)
+        elif lse is not None:
+            raise fail("lse", "None when return_lse=False", "a tensor")
+        batch = normalise.batch_for(
+            seq, q, k, v, out, lse.view(-1) if lse is not None else None, shape,
+            (q_s is not None, k_s is not None, v_s is not None), sinks is not None, out_allocated,
+        )  # fmt: skip
+        module = dispatch.choose(batch, self.backend, ws.numel())
+        meta_b = workspace.meta_bytes(batch.batch_size) if batch.device_metadata else 0
+        bplan = module.plan(batch, max(ws.numel() - meta_b, 0))
+        workspace.check_size(ws, meta_b, bplan.workspace_bytes, module.NAME)
+        bounds = None
+        if batch.device_metadata:
+            n_idx = self.pages.numel() if self.pages is not None else 0
+            bounds = workspace.bounds(batch, self.vectors, n_idx)
+        out_shape = tuple(out.shape) if out_allocated else None
+        return LayerPlan(batch, bplan, module.NAME, meta_b, out_shape, lse_shape, bounds, return_lse)
+
+    # ----------------------------------------------------------------------------------------
+    # per run
+    # ----------------------------------------------------------------------------------------
+
+    def execute(
+        self, lp: LayerPlan, q, k, v, out, lse, scales, sinks, ws: Tensor, pages: Tensor | None,
+        vectors: DeviceVectors | None,
+    ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+        """Run ``lp`` on this call's tensors (already matched to its layout)."""
+        batch = lp.batch
+        dev = batch.device
+        if out is None:
+            out = torch.zeros(lp.out_shape, dtype=batch.out_dtype, device=dev)
+        lse_user = None
+        if lp.return_lse:
+            lse_user = lse if lse is not None else torch.full(lp.lse_shape, -math.inf, dtype=torch.float32, device=dev)
+        named = [
+            ("q", q), ("k_cache", k), ("v_cache", v), ("out", out), ("lse", lse_user), ("workspace_buffer", ws),
+            ("block_tables" if self.seq.pages == "table" else "kv_indices", pages), ("sinks", sinks),
+        ]  # fmt: skip
+        if vectors is not None:
+            named += [("actual_seq_lens_q", vectors.lens_q), ("actual_seq_lens_kv", vectors.lens_kv)]
+            named += [("kv_indptr", vectors.kv_indptr), ("kv_last_page_len", vectors.kv_last_page_len)]
+            named += [(f"batch_offsets_{n}", t) for n, t in vectors.offsets.items()]
+        named += [(n, s) for n, s in zip(("q_scale", "k_scale", "v_scale"), scales) if isinstance(s, Tensor)]
+        normalise.check_overlaps(named, ("out", "lse", "workspace_buffer"))
+        if batch.empty:
+            dispatch.set_last(lp.name)
+            return out, lse_user
+        with workspace.WorkspaceGuard(ws):
+            meta, scratch = workspace.carve(ws, batch.batch_size, batch.device_metadata)
+            if meta is None:
+                meta = self.meta
+                if self._copy_event is not None:
+                    self._wait_copy()
+            else:
+                workspace.write_device_table(lp.bounds, vectors, meta)
+            q_s, k_s, v_s = (_device_scale(s, dev) for s in scales)
+            t = CallTensors(
+                q, k, v, out, lse_user.view(-1) if lse_user is not None else None, meta,
+                workspace.device_pages(self.seq, pages, dev), q_s, k_s, v_s, sinks, scratch,
+            )  # fmt: skip
+            lp.backend.run(t)
+        dispatch.set_last(lp.name)
+        return out, lse_user
+
+    def _wait_copy(self) -> None:
+        """Order this run after the plan's metadata copy, whatever stream it runs on."""
+        ev = self._copy_event
+        if torch.cuda.is_current_stream_capturing():
+            if not ev.query():  # (torch.cuda.graph synchronises before capturing)
+                raise RuntimeError("the plan's metadata copy is still in flight while a CUDA graph is captured")
+        else:
+            torch.cuda.current_stream(self.device).wait_event(ev)
+            self.meta.record_stream(torch.cuda.current_stream(self.device))
+        if ev.query():
+            self._copy_event = None
+
+    def run(
+        self,
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        out: Tensor | None = None,
+        lse: Tensor | None = None,
+        *,
+        q_scale: Tensor | float | None = None,
+        k_scale: Tensor | float | None = None,
+        v_scale: Tensor | float | None = None,
+        sinks: Tensor | None = None,
+        return_lse: bool | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Attention of one layer over the planned batch.
+
+        Args:
+            q: (total_q_tokens, Hq, Dqk) as planned; k_cache, v_cache: the paged
+                (num_pages, Hkv, page_size, D) or ragged (total_kv_tokens, Hkv, D) cache.
+            out: optional (rows, Hq, Dvo) output; lse: optional float32 LSE buffer in the planned
+                layout. Rows that belong to no sequence are never written.
+            q_scale, k_scale, v_scale: fp8 scales (one-element float32 tensors or floats).
+            sinks: float32 (Hq,) attention-sink logits, or None.
+            return_lse: default: whether the plan was made with ``return_lse=True``.
+
+        Returns:
+            (out, lse): lse is None unless the LSE is returned (natural log).
+        """
+        if return_lse is None:
+            return_lse = self.default_return_lse
+        if self.workspace is None:
+            raise fail("workspace_buffer", "a workspace given to plan()", None)
+        scales = (q_scale, k_scale, v_scale)
+        lp = self.layer(q, k_cache, v_cache, out, lse, scales, sinks, return_lse, self.workspace)
+        return self.execute(lp, q, k_cache, v_cache, out, lse, scales, sinks, self.workspace, self.pages, self.vectors)
+
+    @property
+    def backend_name(self) -> str | None:
+        """The backend the last layout seen runs on (None before the first run)."""
+        return next(reversed(self.layers.values())).name if self.layers else None
+
+
+def _device_scale(s, device: torch.device) -> Tensor | None:
+    """A scale as the kernels read it: a one-element float32 tensor on ``device``."""
+    if s is None:
+        return None
+    if isinstance(s, Tensor):
+        s = s.reshape(1)
+        return s if s.device == device else s.to(device)
+    return torch.full((1,), float(s), dtype=torch.float32, device=device)
+
+
+def _check_lse(lse: object, seq: Sequences, device: torch.device) -> None:
+    if not isinstance(lse, Tensor):
+        raise fail("lse", "a float32 torch.Tensor", type(lse).__name__)
+    if lse.dtype != torch.float32:
+        raise fail("lse", "dtype float32", lse.dtype)
+    if not normalise.same_device(lse.device, device):
+        raise fail("lse", f"a tensor on q's device {device}", f"one on {lse.device}")
+    if not lse.is_contiguous():
+        raise fail("lse", "a contiguous tensor", f"strides {tuple(lse.stride())}")
+    if seq.lse == "padded" and tuple(lse.shape) != (seq.batch_size, seq.max_q, seq.num_qo_heads):
+        raise fail(
+            "lse",
+            f"shape (B, max_token_per_sequence, Hq) = ({seq.batch_size}, {seq.max_q}, {seq.num_qo_heads})",
+            f"shape {tuple(lse.shape)}",
+        )
+
