@@ -74,6 +74,9 @@ def make_case(
     scale: float | None = None,
     with_out: bool = True,
     workspace_bytes: int = 1 << 22,
+    window_left: int = -1,
+    logits_soft_cap: float = 0.0,
+    sinks: bool = False,
 ) -> Case:
     """Build a random case.
 
@@ -81,6 +84,8 @@ def make_case(
     "hnd" (contiguous (pages, Hkv, page_size, D)), "interleaved" (K and V views of one
     (pages, 2, page_size, Hkv, D) buffer). offsets: "none", "elements" or "tokens".
     lse_layout: "padded" ((B, max_q, Hq)) or "packed" ((rows, Hq) with batch_offsets_stats).
+    window_left / logits_soft_cap: passed through (defaults: off); sinks: draw random per-head sink
+    logits (float32 (Hq,)).
     """
     gen = torch.Generator().manual_seed(seed)
     dvo = dqk if dvo is None else dvo
@@ -175,6 +180,12 @@ def make_case(
             shape = (info["lse_rows"], hq) if lse_layout == "packed" else (bsz, max_q, hq)
             kwargs["lse"] = poison(torch.empty(shape, dtype=torch.float32, device=device))
     kwargs["workspace_buffer"] = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
+    if window_left >= 0:
+        kwargs["window_left"] = window_left
+    if logits_soft_cap > 0:
+        kwargs["logits_soft_cap"] = logits_soft_cap
+    if sinks:
+        kwargs["sinks"] = (torch.randn(hq, generator=gen) * 2).to(device)
     return Case(kwargs, list(lens_q), list(lens_kv), q_start, o_start, lse_start, info)
 
 
@@ -206,9 +217,11 @@ def reference(case: Case) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tens
 
     Per sequence, K/V are materialised once and blocks of query rows are computed at a time with an
     explicit (causal, bottom-right) mask, on the device the case lives on (CUDA float64 on a GPU);
-    the results are returned on the CPU. Rows without a visible key get out 0 and lse -inf. A
-    non-finite K/V value among a sequence's first kv_len keys makes all of its rows NaN (masked
-    weights are 0, and 0 * inf is NaN), as in the kernels: the tests draw finite K/V there."""
+    the results are returned on the CPU. Rows without a visible key get out 0 and lse -inf (the
+    sink, with sinks). A non-finite K/V value among a sequence's first kv_len keys makes all of its
+    rows NaN (masked weights are 0, and 0 * inf is NaN), as in the kernels: the tests draw finite K/V
+    there. Variants: keys below position - window_left are hidden, logits are cap * tanh(s / cap),
+    and a sink logit joins each head's denominator."""
     kw = case.kwargs
     dev = kw["q"].device
     q = _dequant(kw["q"], kw.get("q_scale"), dev)
@@ -217,6 +230,9 @@ def reference(case: Case) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tens
     hq, hkv = q.shape[1], k.shape[1]
     group = hq // hkv
     max_q = kw["max_token_per_sequence"]
+    window, cap = kw.get("window_left", -1), kw.get("logits_soft_cap", 0.0)
+    sinks = kw.get("sinks")
+    sink = sinks.to(dev, torch.float64).view(hq, 1, 1) if sinks is not None else None
     outs, lses = {}, {}
     for b, (lq, lkv) in enumerate(zip(case.lens_q, case.lens_kv)):
         if lq == 0:
@@ -230,16 +246,25 @@ def reference(case: Case) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tens
         o_seq, lse_seq = [], []
         for r0 in range(0, lq, rows_per_block):
             i = torch.arange(r0, min(lq, r0 + rows_per_block), device=dev)
-            visible = torch.full_like(i, lkv) if not kw["causal"] else (i + lkv - lq + 1).clamp(0, lkv)
+            pos = i + (lkv - lq)  # absolute positions
+            visible = torch.full_like(i, lkv) if not kw["causal"] else (pos + 1).clamp(0, lkv)
             mask = keys[None, :] < visible[:, None]  # (rows, lkv)
+            if window >= 0:
+                mask &= keys[None, :] >= (pos - window)[:, None]
             s = torch.einsum("ihd,jhd->hij", qb[r0 : r0 + len(i)], kh) * kw["scale"]
+            if cap > 0:
+                s = cap * torch.tanh(s / cap)
             s = s.masked_fill(~mask, -math.inf)
             if lkv > 0:
                 m = s.amax(dim=2, keepdim=True)
             else:
                 m = torch.full((hq, len(i), 1), -math.inf, dtype=s.dtype, device=dev)
+            if sink is not None:
+                m = torch.maximum(m, sink.expand(hq, len(i), 1))
             p = torch.exp(s - torch.where(torch.isfinite(m), m, 0.0))  # (0 where masked)
             denom = p.sum(dim=2, keepdim=True)
+            if sink is not None:
+                denom = denom + torch.exp(sink - m)
             o_seq.append(torch.einsum("hij,jhd->ihd", p / torch.where(denom > 0, denom, 1.0), vh))
             lse_seq.append(torch.where(denom > 0, m + torch.log(denom), -math.inf)[..., 0].T)
         o_seq, lse_seq = torch.cat(o_seq).cpu(), torch.cat(lse_seq).cpu()
@@ -339,16 +364,25 @@ def reference_rows(case: Case, rows: list[tuple[int, int]]) -> dict[tuple[int, i
             kb, vb = k[s0 : s0 + lkv], v[s0 : s0 + lkv]
         kh = kb.repeat_interleave(group, dim=1)  # (lkv, Hq, D)
         vh = vb.repeat_interleave(group, dim=1)
+        window, cap = kw.get("window_left", -1), kw.get("logits_soft_cap", 0.0)
+        sinks = kw.get("sinks")
         for i in idx:
-            visible = lkv if not kw["causal"] else max(0, min(lkv, i + lkv - lq + 1))
+            pos = i + lkv - lq
+            hi = lkv if not kw["causal"] else max(0, min(lkv, pos + 1))
+            lo = max(0, pos - window) if window >= 0 else 0
             o = torch.zeros(hq, v.shape[-1], dtype=torch.float64)
             lse = torch.full((hq,), -math.inf, dtype=torch.float64)
-            if visible > 0:
-                s = torch.einsum("hd,jhd->hj", q[case.q_start[b] + i], kh[:visible]) * kw["scale"]
+            s = torch.einsum("hd,jhd->hj", q[case.q_start[b] + i], kh[lo:hi]) * kw["scale"]
+            if cap > 0:
+                s = cap * torch.tanh(s / cap)
+            if sinks is not None:
+                s = torch.cat([s, sinks.cpu().to(torch.float64).view(hq, 1)], dim=1)
+            if s.shape[1] > 0:
                 m = s.max(dim=1, keepdim=True).values
                 p = torch.exp(s - m)
                 denom = p.sum(dim=1, keepdim=True)
-                o = torch.einsum("hj,jhd->hd", p / denom, vh[:visible])
+                n = hi - max(lo, 0) if hi > lo else 0
+                o = torch.einsum("hj,jhd->hd", (p / denom)[:, :n], vh[lo : lo + n])
                 lse = (m + torch.log(denom)).squeeze(1)
             result[(b, i)] = (o, lse)
     return result

@@ -55,6 +55,40 @@ def test_opcheck():
         kw["q"], kw["k_cache"], kw["v_cache"], kw["scale"], kw["workspace_buffer"],
         kw["max_token_per_sequence"], kw["max_sequence_kv"], kw["actual_seq_lens_q"],
         kw["actual_seq_lens_kv"], kw["block_tables"], kw["causal"], None, None, None,
-        None, None, None, None, None, "elements", kw["out"], kw["lse"], False, "auto",
+        None, None, None, None, None, "elements", kw["out"], kw["lse"], False, "auto", -1, 0.0, None,
     )  # fmt: skip
     torch.library.opcheck(torch.ops.pagedprefill.batch_prefill.default, args)
+
+
+def test_bad_arguments_are_named_before_allocating():
+    """A non-tensor q, list lengths, an int o_data_type: the library's errors, never AttributeError."""
+    case = _case(51, page_size=4)
+    kw = dict(case.kwargs)
+    with pytest.raises(ValueError, match="^q: expected a torch.Tensor"):
+        ops.batch_prefill_with_kv_cache(**dict(kw, q=kw["q"].tolist()))
+    with pytest.raises(ValueError, match="^actual_seq_lens_q: expected"):
+        ops.batch_prefill_with_kv_cache(**dict(kw, actual_seq_lens_q=[5, 0, 7, 3], lse=None))
+    with pytest.raises(ValueError, match="^o_data_type: expected"):
+        ops.batch_prefill_with_kv_cache(**dict(kw, out=None, o_data_type=torch.int32))
+
+
+def test_plan_run_compiled_fullgraph_matches_oracle():
+    """The per-layer run of a plan traces as one custom op."""
+    import pagedprefill
+
+    case = _case(61, page_size=4, lse_layout="padded")
+    kw = case.kwargs
+    p = pagedprefill.plan(
+        kw["workspace_buffer"], num_qo_heads=4, num_kv_heads=2, head_dim_qk=64, page_size=4,
+        actual_seq_lens_q=kw["actual_seq_lens_q"], actual_seq_lens_kv=kw["actual_seq_lens_kv"],
+        max_token_per_sequence=kw["max_token_per_sequence"], max_sequence_kv=kw["max_sequence_kv"],
+        block_tables=kw["block_tables"], causal=True, scale=kw["scale"], return_lse=True,
+        backend="torch" if DEVICE == "cpu" else "auto",
+    )  # fmt: skip
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def layer(q, k, v, out, lse):
+        return ops.plan_run(p, q, k, v, out, lse)
+
+    out, lse = layer(kw["q"], kw["k_cache"], kw["v_cache"], kw["out"], kw["lse"])
+    check(case, out, lse, atol=ATOL, lse_atol=ATOL)

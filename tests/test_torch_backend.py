@@ -636,12 +636,16 @@ def test_strided_q_and_out_views():
 
 
 @pytest.mark.parametrize("stats", [False, True])
-def test_return_lse_false_returns_none_and_leaves_lse_alone(stats):
+def test_return_lse_false_refuses_an_lse_buffer_and_leaves_it_alone(stats):
+    """An lse buffer (or stats offsets) has no meaning without return_lse: an error, not ignored."""
     case = make_case(27, lens_q=[3, 2], lens_kv=[4, 6], page_size=2, return_lse=False)
     lse_buf = poison(torch.empty(2, 3, 4))
     extra = {"batch_offsets_stats": torch.tensor([0, 12, 20], dtype=torch.int32)} if stats else {}
-    out, lse = call(case, backend="torch", lse=lse_buf, **extra)
-    assert lse is None and torch.isnan(lse_buf).all()
+    with pytest.raises(ValueError, match="batch_offsets_stats: expected None" if stats else "lse: expected None"):
+        call(case, backend="torch", lse=lse_buf, **extra)
+    assert torch.isnan(lse_buf).all() and torch.isnan(case.kwargs["out"]).all()
+    out, lse = call(case, backend="torch")
+    assert lse is None
     check_case(case, out, lse)
 
 

@@ -641,6 +641,15 @@ def alloc_rows(seq: Sequences, rows_q: int, which: str) -> int:
         return rows_q
     starts = h.o_start if which == "o" else [s // seq.num_qo_heads for s in h.lse_start]
     need = max([rows_q, *(s + n for s, n in zip(starts, h.lens_q) if n)])
+    per_row = seq.num_qo_heads * (seq.head_dim_vo if which == "o" else 1)
+    if need * per_row > INT32_MAX:
+        arg = "batch_offsets_o" if which == "o" else "batch_offsets_stats"
+        raise fail(
+            arg,
+            f"offsets that place every row within {INT32_MAX} elements when {'out' if which == 'o' else 'lse'} "
+            "is allocated by the call (pass the buffer to place rows that far)",
+            f"rows up to {need}",
+        )
     return need
 
 

@@ -10,7 +10,10 @@ launches.
 
 from __future__ import annotations
 
+import itertools
 import math
+import weakref
+
 import torch
 from torch import Tensor
 
@@ -43,6 +46,10 @@ def _scale_key(s: object) -> object:
     return type(s)
 
 
+PLANS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # op id -> plan (pagedprefill.ops)
+_IDS = itertools.count(1)
+
+
 class PrefillPlan:
     """A planned batch. Build it with :func:`pagedprefill.plan` (or a FlashInfer wrapper's ``plan``);
     call :meth:`run` once per layer."""
@@ -68,6 +75,8 @@ class PrefillPlan:
         self.workspace = workspace_buffer
         self.o_data_type = o_data_type
         self.default_return_lse = return_lse
+        self.op_id = next(_IDS)
+        PLANS[self.op_id] = self
         self.layers: dict[tuple, LayerPlan] = {}
         self.meta: Tensor | None = None
         self._copy_event = None

@@ -34,12 +34,13 @@ def host_table(host: HostMetadata, device: torch.device) -> Tensor:
     """The plan-owned ``(8, B)`` int32 table on ``device``, copied from pinned host memory (the copy is
     ordered on the current stream)."""
     bsz = len(host.lens_q)
+    if not bsz:
+        return torch.empty((len(META_FIELDS), 0), dtype=torch.int32, device=device)
     staged = torch.frombuffer(array.array("i", itertools.chain(*host.rows())), dtype=torch.int32)
     if device.type != "cuda":
         return staged.view(len(META_FIELDS), max(bsz, 0)).clone()
     meta = torch.empty((len(META_FIELDS), bsz), dtype=torch.int32, device=device)
-    if bsz:
-        meta.view(-1).copy_(staged.pin_memory(), non_blocking=True)
+    meta.view(-1).copy_(staged.pin_memory(), non_blocking=True)
     return meta
 
 

@@ -1,0 +1,428 @@
+"""The Hopper kernel (``pagedprefill.backends.triton.hopper``), reached through ``backend="triton"``.
+
+CPU: its configuration, routing, TMA views, and an sm_90 compile (shared memory, spills, and the PTX
+features the design relies on). GPU (H200): the kernel forced on for a random grid against the
+float64 oracle (small persistent grids, so each program walks many work items), tile boundaries,
+CUDA-graph replays with new lengths, and the default routing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import atol_for, batch_of, call, call_tensors, check_sampled, planned, random_params
+from oracle import check, make_case
+
+import pagedprefill
+from pagedprefill import tuning
+from pagedprefill.backends import triton as tb
+from pagedprefill.backends.triton import hopper as hp
+from pagedprefill.kernels import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+BF16, F16 = torch.bfloat16, torch.float16
+
+
+def _case(**kw):
+    base = dict(lens_q=[5, 7], lens_kv=[9, 20], hq=8, hkv=2, dqk=128, page_size=16, dtype=F16)
+    return make_case(1, **{**base, **kw})
+
+
+def test_config_knobs_are_validated():
+    batch = batch_of(_case())
+    with tuning.override("hopper", stages=4, consumers=2):
+        cfg = hp.config(batch)
+        assert (cfg.stages, cfg.consumers, cfg.BLOCK_M) == (4, 2, 128)
+    for bad, msg in (
+        (dict(stagez=4), "unknown Hopper knob 'stagez'"),
+        (dict(consumers=4), "consumers must be 2 or 3"),
+        (dict(stages=1), "stages must be >= 2"),
+        (dict(BLOCK_N=48), "BLOCK_N must be"),
+        (dict(load_warps=3), "load_warps must be"),
+        (dict(consumer_regs=150), "multiples of 8"),
+        (dict(consumer_regs=160, load_regs=96), "registers over budget"),
+        (dict(chunk=-1), "chunk must be >= 0"),
+        (dict(dynamic=2), "dynamic must be 0 or 1"),
+    ):
+        with tuning.override("hopper", **bad), pytest.raises(ValueError, match=msg):
+            hp.config(batch)
+
+
+def test_not_used_off_the_gpu():
+    batch = batch_of(_case())
+    assert hp.unavailable_reason(batch) == "not a CUDA device"
+    assert not tb.uses_hopper_kernel(batch)
+
+
+@pytest.mark.parametrize(
+    "kw, served",
+    [
+        (dict(dqk=64), True), (dict(dqk=128), True), (dict(dqk=192, dvo=128), True), (dict(dqk=96), False),
+        (dict(dqk=256), False), (dict(window_left=8), False), (dict(sinks=True), False),
+        (dict(logits_soft_cap=5.0), False), (dict(dtype=F16, kv_dtype=torch.float8_e4m3fn), False),
+    ],
+)  # fmt: skip
+def test_what_it_serves(kw, served):
+    """16-bit, Dqk = Dvo in {64, 128} or 192 / 128, no variants: the rest takes the portable kernel."""
+    why = hp.unavailable_reason(batch_of(_case(**kw)))
+    assert (why == "not a CUDA device") == served, why
+
+
+def test_config_picks_wide_tiles_by_shape():
+    """128 x 128 tiles on two consumers (``WIDE``) exactly where they measured faster: D = 128 with
+    TMA-eligible K/V, and non-causal, pages of >= 64 tokens or max_kv >= 4 * max_q; static rounds for
+    prompts of <= 1024 tokens and chunked prefill; a knob replaces the choice."""
+    static = dataclasses.replace(hp.DEFAULT, dynamic=0)
+    wide = dataclasses.replace(static, **hp.WIDE)
+
+    def cfg(**kw):
+        base = dict(lens_q=[5, 7], lens_kv=[9, 20], hq=8, hkv=2, dqk=128, page_size=16, dtype=F16)
+        return hp.config(batch_of(make_case(1, **{**base, **kw})))
+
+    assert cfg() == static  # causal, pages of 16, max_kv = 20 < 4 * 7, max_q <= 1024
+    assert cfg(causal=False) == wide
+    assert cfg(page_size=64) == wide
+    assert cfg(page_size=0, causal=False) == wide
+    assert cfg(lens_q=[7], lens_kv=[28]) == wide and cfg(lens_q=[8], lens_kv=[31]) == static
+    assert cfg(lens_q=[2048], lens_kv=[8191]) == hp.DEFAULT and cfg(lens_q=[2048], lens_kv=[8192]) == wide
+    assert cfg(lens_q=[1025], lens_kv=[2048], dqk=64) == hp.DEFAULT
+    assert cfg(causal=False, dqk=64) == static and cfg(causal=False, page_size=8) == static
+    assert cfg(causal=False, dqk=192, dvo=128) == static
+    with tuning.override("hopper", wide=0, chunk=2):
+        assert cfg(causal=False) == dataclasses.replace(static, chunk=2)
+
+
+def test_stages_fit_shared_memory():
+    """Q and the K/V ring fit sm_90's 227 KB: 5 stages at D 128, 3 at Dqk 192 / Dvo 128."""
+    cfg = hp.DEFAULT
+    for (dqk, dvo), want in (((128, 128), 5), ((64, 64), 5), ((192, 128), 3)):
+        batch = batch_of(_case(dqk=dqk, dvo=dvo, dtype=BF16))
+        n = hp.stages(batch, cfg)
+        assert n == want
+        assert 2 * (cfg.BLOCK_M * dqk + n * cfg.BLOCK_N * (dqk + dvo)) <= hp.SMEM_BYTES
+
+
+def test_o_stage_needs_out_in_qs_dtype_and_room():
+    assert hp.o_stage_mode(batch_of(_case()), True) == 1
+    assert hp.o_stage_mode(batch_of(_case(dqk=192, dvo=128)), True) == 1
+    assert hp.o_stage_mode(batch_of(_case(dqk=192, dvo=128)), False) == 0
+    case = _case()
+    case.kwargs["out"] = torch.empty_like(case.kwargs["out"], dtype=torch.float32)
+    assert hp.o_stage_mode(batch_of(case), True) == 0
+
+
+def test_routing_follows_the_split_choice(monkeypatch):
+    """A call the portable kernel would split over KV takes it, whatever the Hopper kernel serves."""
+    monkeypatch.setattr(hp, "unavailable_reason", lambda batch: None)
+    short = _case(lens_q=[4], lens_kv=[4000], dqk=64)
+    big = _case(lens_q=[900] * 8, lens_kv=[900] * 8, dqk=64)
+    for case, split in ((short, True), (big, False)):
+        batch = batch_of(case)
+        assert (tb.fa2.choose_splits(batch, tb.fa2.choose_config(batch), None) > 1) == split
+        assert tb.uses_hopper_kernel(batch) == (not split)
+    with tuning.override("triton", hopper=0):
+        assert not tb.uses_hopper_kernel(batch_of(big))
+
+
+def test_strides_cp_async_cannot_prove_are_refused():
+    """A stride of 8 (mod 16) elements is 16-byte aligned, but Triton can only prove 2 bytes: refused."""
+    for name in ("q", "k_cache", "v_cache"):
+        case = _case(page_size=0)
+        t = case.kwargs[name]
+        wide = torch.zeros(t.shape[0], t.shape[1], 136, dtype=t.dtype)[:, :, :128]  # head stride 136
+        wide.copy_(t)
+        case.kwargs[name] = wide
+        why = hp.unavailable_reason(batch_of(case))
+        assert "multiples of 16" in why and why.startswith(name[0]), why
+
+
+@pytest.mark.parametrize("layout", ["nhd", "hnd", "interleaved"])
+@pytest.mark.parametrize("page_size", [16, 64, 0])
+def test_tma_view_addresses_every_key_row(layout, page_size):
+    """The 2-D TMA view's (row, column) of every (page, head, slot) is that key row's address."""
+    if page_size == 0 and layout != "nhd":
+        pytest.skip("ragged caches have one layout")
+    case = make_case(2, lens_q=[3], lens_kv=[150], hq=8, hkv=4, dqk=64, page_size=page_size, kv_layout=layout,
+                     dtype=BF16)  # fmt: skip
+    p, lp, ws = planned(case, "torch")
+    batch, t = lp.batch, call_tensors(case, p, lp, ws)
+    box = hp._page_box(batch, hp.DEFAULT)
+    assert box == (min(page_size, hp.DEFAULT.BLOCK_N) if page_size else hp.DEFAULT.BLOCK_N)
+    views = hp._tma_plan(t, batch, box)
+    assert views is not None
+    for x, (desc, page_rows, head_off, head_rows) in zip((t.k, t.v), views[:2]):
+        rows, cols = desc.shape
+        st = desc.strides[0]
+        esz = x.element_size()
+        slots = x.shape[2] if batch.paged else 1
+        for page in range(x.shape[0]):
+            for h in range(x.shape[1]):
+                for slot in range(slots):
+                    if batch.paged:
+                        row, want = page * page_rows + slot, x[page, h, slot]
+                    else:
+                        row, want = page, x[page, h]
+                    col = 0
+                    if head_rows:
+                        row += h * head_off
+                    else:
+                        col = h * head_off
+                    assert 0 <= row < rows and col + batch.head_dim_qk <= cols
+                    assert x.data_ptr() + (row * st + col) * esz == want.data_ptr()
+
+
+def test_tma_plan_for_mla_boxes_key_columns_in_two_parts():
+    """Dqk 192: K's 2-D view spans all 192 columns of every head, boxed as 128 + 64 columns."""
+    for layout in ("nhd", "hnd"):
+        case = make_case(2, lens_q=[3], lens_kv=[70], hq=4, hkv=2, dqk=192, dvo=128, page_size=16, kv_layout=layout,
+                         dtype=BF16)  # fmt: skip
+        p, lp, ws = planned(case, "torch")
+        box = hp._page_box(lp.batch, hp.DEFAULT)
+        (k0, _, k_head_off, k_rows), (v0, *_), k1 = hp._tma_plan(call_tensors(case, p, lp, ws), lp.batch, box)
+        assert list(k0.block_shape) == [box, 128] and list(k1.block_shape) == [box, 64]
+        assert list(v0.block_shape) == [box, 128]
+        assert (k1.shape, k1.strides) == (k0.shape, k0.strides)
+        last_col = (0 if k_rows else (case.kwargs["k_cache"].shape[1] - 1) * k_head_off) + 192
+        assert last_col <= k0.shape[1]
+
+
+def test_small_pages_and_empty_caches_take_cp_async():
+    assert hp._page_box(batch_of(_case(page_size=8)), hp.DEFAULT) == 0
+    case = make_case(2, lens_q=[0, 4], lens_kv=[0, 0], hq=8, hkv=4, dqk=64, page_size=0, dtype=BF16)
+    p, lp, ws = planned(case, "torch")
+    assert hp._tma_plan(call_tensors(case, p, lp, ws), lp.batch, hp._page_box(lp.batch, hp.DEFAULT)) is None
+
+
+def test_q_tma_only_where_its_boxes_fit():
+    assert hp.q_tma_applies(batch_of(_case()), _case().kwargs["q"])
+    assert not hp.q_tma_applies(batch_of(_case(hq=6)), _case(hq=6).kwargs["q"])  # G = 3 does not divide 64
+    empty = _case(lens_q=[0, 0])
+    assert not hp.q_tma_applies(batch_of(empty), empty.kwargs["q"])
+
+
+# --------------------------------------------------------------------------------------------
+# sm_90 compile without a GPU
+# --------------------------------------------------------------------------------------------
+
+_AOT = textwrap.dedent(
+    """
+    import re, subprocess, sys
+    sys.path.insert(0, {tests!r})
+    import torch, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import create_function_from_signature
+    from oracle import make_case
+    from helpers import planned, call_tensors
+    from pagedprefill import tuning
+    from pagedprefill.backends.triton import hopper as hp
+
+    target = GPUTarget("cuda", 90, 128)
+    backend = make_backend(target)
+    ptxas = triton.knobs.nvidia.ptxas.path
+    for d, page, causal, dt, dvo, knobs in {specs!r}:
+        case = make_case(0, lens_q=[5, 7], lens_kv=[9, 30], hq=8, hkv=2, dqk=d, dvo=dvo, page_size=page,
+                         dtype=getattr(torch, dt), causal=causal)
+        p, lp, ws = planned(case, "torch")
+        with tuning.override("hopper", **knobs):
+            plan = hp.HopperPlan(lp.batch)
+        for kernel, grid, args, kwargs in plan.launches(call_tensors(case, p, lp, ws)):
+            binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+            bound, sp, opts = binder(*args, **kwargs)
+            options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, sp, opts)
+            c = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs), target=target,
+                               options=options.__dict__)
+            ptx = c.asm["ptx"]
+            with open("/tmp/_pp_gluon.ptx", "w") as f:
+                f.write(ptx)
+            cmd = [ptxas, "-v", "--gpu-name", "sm_90a", "/tmp/_pp_gluon.ptx", "-o", "/dev/null"]
+            log = subprocess.run(cmd, capture_output=True, text=True).stderr
+            spill = max([int(x) for x in re.findall(r"(\\d+) bytes spill stores", log)] or [0])
+            overlap = "wgmma.wait_group.sync.aligned 1" in ptx
+            regs = sorted(set(re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)))
+            bulk = ptx.count("cp.async.bulk.tensor")
+            stsm = ptx.count("stmatrix")
+            print("RESULT", d, page, c.metadata.shared, spill, overlap, ",".join(regs), bulk, stsm,
+                  kwargs["USE_TMA"], kwargs["Q_TMA"], kwargs["O_STAGE"], plan.cfg.consumer_regs, plan.cfg.load_regs,
+                  flush=True)
+    """
+)
+
+SPECS = [
+    (128, 16, True, "bfloat16", 128, {}),
+    (128, 0, False, "float16", 128, {}),  # (WIDE tiles)
+    (64, 1, True, "bfloat16", 64, {}),  # (cp.async K/V)
+    (192, 0, True, "bfloat16", 128, {}),  # Dqk 192 / Dvo 128: K in 128 + 64 columns
+    (128, 64, True, "bfloat16", 128, dict(dynamic=1)),
+]
+
+
+def test_compiles_for_sm90(tmp_path):
+    """The real launches compile for sm_90: within shared memory, spills bounded, a wgmma group left
+    in flight across the softmax, the register split applied, TMA copies exactly where planned, O
+    staged (stmatrix) exactly where planned."""
+    script = _AOT.format(tests=str(ROOT / "tests"), specs=SPECS)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    results = [line.split() for line in res.stdout.splitlines() if line.startswith("RESULT")]
+    assert len(results) == len(SPECS), res.stdout
+    for _, d, page, shared, spill, overlap, regs, bulk, stsm, use_tma, q_tma, o_stage, cregs, lregs in results:
+        assert int(shared) <= 227 * 1024, (d, page, shared)
+        # the load warps (56 registers) spill hoisted gather addresses on their cp.async path and,
+        # with the work counter, the item ring's state; the consumers do not spill in the key loop
+        assert int(spill) <= 416, (d, page, spill)
+        assert overlap == "True", "no wgmma group left in flight across the softmax"
+        assert cregs in regs.split(",") and lregs in regs.split(","), regs
+        assert (int(bulk) > 0) == (use_tma == "True" or q_tma == "True"), (d, page, bulk)
+        assert (int(stsm) > 0) == (o_stage == "1"), (d, page, stsm)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU
+# --------------------------------------------------------------------------------------------
+
+
+def hopper_params(seed: int, long: bool | None = None) -> dict:
+    r = random.Random(seed)
+    params = random_params(seed, (BF16, F16), long=r.random() < 0.3 if long is None else long, variants=False)
+    params["dqk"] = r.choice([64, 128, 128, 192])
+    params["dvo"] = 128 if params["dqk"] == 192 else params["dqk"]
+    if params["kv_layout"] == "interleaved" and params["dqk"] == 192:
+        params["kv_layout"] = "hnd"
+    params["page_size"] = r.choice([0, 1, 3, 8, 16, 16, 64])
+    params["hq"], params["hkv"] = r.choice([(4, 4), (8, 2), (12, 4), (16, 2), (32, 8), (6, 1), (28, 4), (40, 8)])
+    return params
+
+
+def check_forced(case, **knobs) -> None:
+    """A case run on the Hopper kernel (no split-KV), against the fp64 oracle."""
+    assert hp.unavailable_reason(batch_of(case)) is None
+    out, lse = call(case, knobs=dict(num_splits=1), hopper=knobs)
+    check(case, out, lse, atol=atol_for(case.kwargs["q"].dtype), lse_atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(500, 540))
+def test_gpu_random_grid_forced(seed, monkeypatch):
+    """Odd seeds shrink the persistent grid to 1-3 programs so that every program walks many work items
+    (the ring's phases carried across items); items dealt in chunks of 0 (all), 1, 2, 3 or 4 pairs, in
+    static rounds or off the work counter, 64-key or WIDE tiles, scales up to 2 (running maxima move)."""
+    if seed % 2:
+        monkeypatch.setattr(hp, "_num_sms", lambda device, n=1 + seed % 3: n)
+    params = hopper_params(seed)
+    params["scale"] = (None, 0.3, 1.0, 2.0)[seed % 4]
+    knobs = dict(chunk=seed % 5, dynamic=seed // 2 % 2, wide=int(seed % 3 == 0 and params["dqk"] == 128))
+    check_forced(make_case(seed, **params), **knobs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "group, dqk, knobs",
+    [(3, 128, {}), (4, 128, dict(consumers=2, consumer_regs=216)), (6, 128, dict(stages=2)),
+     (4, 128, dict(BLOCK_N=32)), (4, 128, dict(BLOCK_N=128, stages=2)), (4, 192, {}), (7, 64, {})],
+)  # fmt: skip
+def test_gpu_tile_boundaries(group, dqk, knobs, monkeypatch):
+    """Causal consumers' own key ranges ending one key either side of tile boundaries (an off-by-one in
+    a consumer's tile count or unmasked range changes the output), 2 or 3 consumers, 2-stage rings,
+    32/64/128-key tiles, Dqk 192, GQA 3, 6, 7."""
+    monkeypatch.setattr(hp, "_num_sms", lambda device: 2)
+    case = make_case(51, lens_q=[40, 41, 150, 90], lens_kv=[65, 84, 100, 2000], hq=2 * group, hkv=2, dqk=dqk,
+                     dvo=128 if dqk == 192 else dqk, page_size=16, dtype=F16, causal=True, device="cuda")  # fmt: skip
+    check_forced(case, **knobs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal, dynamic", [(True, 0), (False, 1)])
+def test_gpu_chunked_dealing_short_last_chunk(causal, dynamic, monkeypatch):
+    """Many row blocks per pair, 6 pairs dealt in chunks of 4 (the last one short) on a 3-program grid,
+    and the same call again on the same workspace (the work counter starts from zero every run)."""
+    monkeypatch.setattr(hp, "_num_sms", lambda device: 3)
+    case = make_case(41, lens_q=[700, 300, 520], lens_kv=[900, 300, 1000], hq=12, hkv=2, dqk=128, page_size=16,
+                     dtype=BF16, causal=causal, device="cuda")  # fmt: skip
+    for _ in range(2):
+        case.kwargs["out"].fill_(float("nan"))
+        case.kwargs["lse"].fill_(float("nan"))
+        check_forced(case, chunk=4, dynamic=dynamic)
+
+
+@pytest.mark.gpu
+def test_gpu_default_routing():
+    """The Hopper kernel serves what it can unless split-KV is chosen; backend="auto" sends its
+    calls to Triton and D 96 / 256 to cuDNN."""
+
+    def case(dqk=128, page_size=16, lens_q=(30,), lens_kv=(90,), dvo=None):
+        return make_case(3, lens_q=list(lens_q), lens_kv=list(lens_kv), hq=8, hkv=2, dqk=dqk, dvo=dvo,
+                         page_size=page_size, dtype=BF16, device="cuda")  # fmt: skip
+
+    for c in (case(), case(page_size=1), case(page_size=8), case(page_size=0), case(dqk=64), case(dqk=192, dvo=128)):
+        assert tb.uses_hopper_kernel(batch_of(c))
+    assert not tb.uses_hopper_kernel(batch_of(case(dqk=96)))
+    assert not tb.uses_hopper_kernel(batch_of(case(lens_q=(4,), lens_kv=(9000,))))  # split-KV
+    for c, expect in ((case(), "triton"), (case(dqk=64), "triton"), (case(dqk=96), "cudnn"),
+                      (case(dqk=256), "cudnn")):  # fmt: skip
+        out, _ = pagedprefill.cudnn_batch_prefill_with_kv_cache(**c.kwargs, backend="auto")
+        assert pagedprefill.last_backend() == expect
+        check_sampled(c, out, None, atol=atol_for(BF16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size, dynamic", [(16, 0), (0, 1), (1, 0)])
+def test_gpu_cuda_graph_replay_forced(page_size, dynamic, monkeypatch):
+    from test_backend_triton import graph_case
+
+    monkeypatch.setattr(hp, "_num_sms", lambda device: 3)  # programs walk several work items
+    r = random.Random(page_size)
+    bsz, max_q, max_kv, dtype = 4, 200, 700, BF16
+
+    def new_case(seed):
+        lq = [r.randint(0, max_q) for _ in range(bsz)]
+        lkv = [r.randint(0, max_kv) for _ in range(bsz)]
+        return graph_case(seed, lq, lkv, max_q, max_kv, page_size, dtype, 16, 4)
+
+    base = new_case(600)
+    static = {k: v for k, v in base.kwargs.items() if isinstance(v, torch.Tensor)}
+    with tuning.override("triton", num_splits=1), tuning.override("hopper", dynamic=dynamic):
+        pagedprefill.cudnn_batch_prefill_with_kv_cache(**base.kwargs, backend="triton")
+        assert pagedprefill.last_backend() == "triton"
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, lse = pagedprefill.cudnn_batch_prefill_with_kv_cache(**base.kwargs, backend="triton")
+    for i in range(4):
+        new = new_case(601 + i)
+        for name, t in static.items():
+            if name in ("out", "lse"):
+                t.fill_(float("nan"))
+            elif name != "workspace_buffer":
+                t.copy_(new.kwargs[name])
+        graph.replay()
+        torch.cuda.synchronize()
+        check(new, out, lse, atol=atol_for(dtype), lse_atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_misaligned_cache_falls_back():
+    """cp.async needs 16-byte rows: a K/V view at an odd element offset takes the portable kernel."""
+    case = make_case(7, lens_q=[33], lens_kv=[70], hq=8, hkv=2, dqk=128, page_size=0, dtype=F16, device="cuda")
+    k = case.kwargs["k_cache"]
+    shifted = torch.empty(k.numel() + 1, dtype=k.dtype, device="cuda")[1:].view(k.shape)
+    shifted.copy_(k)
+    case.kwargs["k_cache"] = shifted
+    assert hp.unavailable_reason(batch_of(case)) is not None
+    out, lse = call(case)
+    check(case, out, lse, atol=atol_for(F16), lse_atol=2e-2)
+
+
+def test_interpreter_flag_is_shared():
+    assert launch.INTERPRETED == (os.environ.get("TRITON_INTERPRET") == "1")
