@@ -162,19 +162,39 @@ def _plan_call(
         batch_offsets_units=units, scale=scale, causal=causal, return_lse=return_lse, window_left=window_left,
         logits_soft_cap=soft_cap, is_cuda_graph_compatible=graph_mode,
     )  # fmt: skip
+    table = pages.get("block_tables")
+    if table is not None:
+        normalise.check_page_ids(table, seq, shape.num_pages)
+    # the cached plan keeps no caller tensor: the call's block table and device vectors are passed
+    # again at every run (only the device copies it made of host vectors stay with it)
     p = PrefillPlan(
-        seq, vectors, pages.get("block_tables"), device=q.device, backend=backend, workspace_buffer=None,
-        o_data_type=o_data_type, num_pages=shape.num_pages,
+        seq, _plan_owned(vectors, (lens_q, lens_kv, *offsets)), None, device=q.device, backend=backend,
+        workspace_buffer=None, o_data_type=o_data_type,
     )  # fmt: skip
-    lp = p.layer(q, k, v, out, lse, scales, sinks, return_lse, ws)
+    lp = p.layer(q, k, v, out, lse, scales, sinks, return_lse, ws, vectors)
     return p, lp, ws
+
+
+def _plan_owned(vectors: DeviceVectors | None, given: tuple) -> DeviceVectors | None:
+    """``vectors`` without the caller's own device tensors (None in their place)."""
+    if vectors is None:
+        return None
+    caller = {id(t) for t in given if isinstance(t, Tensor) and t.device.type != "cpu"}
+
+    def own(t):
+        return None if t is None or id(t._base if t._base is not None else t) in caller or id(t) in caller else t
+
+    return DeviceVectors(
+        own(vectors.lens_q), own(vectors.lens_kv), {n: own(t) for n, t in vectors.offsets.items()},
+        vectors.kv_indptr, vectors.kv_last_page_len, vectors.units,
+    )  # fmt: skip
 
 
 def _call_vectors(planned: DeviceVectors, lens_q, lens_kv, offsets) -> DeviceVectors:
     """This call's device lengths / offsets (a CPU one among them: the plan's device copy of it)."""
 
     def pick(t, mine):
-        return mine if t is None or t.device.type == "cpu" else t.reshape(-1)
+        return mine if t is None or t.device.type == "cpu" else t.reshape(-1)  # (mine: the plan's copy)
 
     offs = {}
     for name, t in zip(normalise.OFFSET_NAMES, offsets):

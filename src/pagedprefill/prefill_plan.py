@@ -92,18 +92,19 @@ class PrefillPlan:
     # per layout
     # ----------------------------------------------------------------------------------------
 
-    def layer(self, q, k, v, out, lse, scales, sinks, return_lse: bool, ws: Tensor) -> LayerPlan:
-        """The plan of this layout (made and checked the first time it is seen)."""
+    def layer(self, q, k, v, out, lse, scales, sinks, return_lse: bool, ws: Tensor, vectors=None) -> LayerPlan:
+        """The plan of this layout (made and checked the first time it is seen; ``vectors``: the
+        device vectors when the plan does not hold them)."""
         key = (
             _layout_key(q), _layout_key(k), _layout_key(v), _layout_key(out), _layout_key(lse),
             tuple(_scale_key(s) for s in scales), _layout_key(sinks), return_lse, ws.numel(),
         )  # fmt: skip
         lp = self.layers.get(key)
         if lp is None:
-            lp = self.layers[key] = self._make_layer(q, k, v, out, lse, scales, sinks, return_lse, ws)
+            lp = self.layers[key] = self._make_layer(q, k, v, out, lse, scales, sinks, return_lse, ws, vectors)
         return lp
 
-    def _make_layer(self, q, k, v, out, lse, scales, sinks, return_lse, ws) -> LayerPlan:
+    def _make_layer(self, q, k, v, out, lse, scales, sinks, return_lse, ws, vectors) -> LayerPlan:
         seq = self.seq
         q, k, v, shape = normalise.layer_tensors(q, k, v, seq.page_size > 0)
         if not normalise.same_device(q.device, self.device):
@@ -145,7 +146,7 @@ class PrefillPlan:
         bounds = None
         if batch.device_metadata:
             n_idx = self.pages.numel() if self.pages is not None else 0
-            bounds = workspace.bounds(batch, self.vectors, n_idx)
+            bounds = workspace.bounds(batch, vectors or self.vectors, n_idx)
         out_shape = tuple(out.shape) if out_allocated else None
         return LayerPlan(batch, bplan, module.NAME, meta_b, out_shape, lse_shape, bounds, return_lse)
 

@@ -1,5 +1,6 @@
-"""The api's call cache: a call whose signature matches an earlier one skips normalisation and
-backend selection. Every result is still checked against the float64 oracle, on fresh data."""
+"""The one-shot call's cache (``pagedprefill.plan_cache``): a call whose signature matches an earlier
+one skips every check and the backend's planning. Every result is still checked against the float64
+oracle, on fresh data; the cache keeps no caller tensor alive."""
 
 from __future__ import annotations
 
@@ -10,25 +11,26 @@ import pytest
 import torch
 from oracle import check, make_case
 
-from pagedprefill import api, cudnn_batch_prefill_with_kv_cache
+import pagedprefill
+from pagedprefill import api, cudnn_batch_prefill_with_kv_cache, plan_cache, tuning
 
 F16, BF16 = torch.float16, torch.bfloat16
 
 
 @pytest.fixture
 def normalise_calls(monkeypatch):
-    """Count the full-path normalisations (a cache miss normalises; a hit does not)."""
-    api.clear_call_cache()
+    """Count the full-path calls (a cache miss checks everything; a hit does not)."""
+    pagedprefill.clear_caches()
     calls = []
-    real = api._normalise
+    real = api._plan_call
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(api, "_normalise", counted)
+    monkeypatch.setattr(api, "_plan_call", counted)
     yield calls
-    api.clear_call_cache()
+    pagedprefill.clear_caches()
 
 
 def _same_layout_cases(n, shared, **opts):
@@ -136,7 +138,7 @@ def test_cached_plan_keeps_no_call_tensor_alive(normalise_calls):
     a = make_case(6, **RAGGED)
     refs = [weakref.ref(a.kwargs[n]) for n in ("q", "k_cache", "v_cache", "out", "lse")]
     cudnn_batch_prefill_with_kv_cache(**a.kwargs, backend="torch")
-    assert len(api._PLANS) == 1
+    assert len(plan_cache._PLANS) == 1
     for n in ("q", "k_cache", "v_cache", "out", "lse"):
         del a.kwargs[n]
     gc.collect()
@@ -178,8 +180,8 @@ def test_gpu_queued_calls_with_new_host_lengths_each(backend):
     """More distinct host-length calls than the call cache holds, all queued behind a long GPU
     sleep: each call's staged (pinned) metadata must still hold its own values when the GPU reaches
     it, after the call returned and its plan was evicted."""
-    api.clear_call_cache()
-    n = api._PLANS_MAX + 8
+    pagedprefill.clear_caches()
+    n = plan_cache.MAX_PLANS + 8
     gen = torch.Generator().manual_seed(5)
     opts = dict(hq=8, hkv=2, dqk=64, page_size=16, dtype=BF16, device="cuda", max_q=32, max_kv=72)
     cases = []
@@ -196,13 +198,14 @@ def test_gpu_queued_calls_with_new_host_lengths_each(backend):
         for c, (out, lse) in zip(cases, results):
             check(c, out, lse, atol=3e-2, lse_atol=2e-2)
     finally:
-        api.clear_call_cache()
+        pagedprefill.clear_caches()
 
 
 @pytest.mark.gpu
 def test_gpu_cudnn_misaligned_q_after_a_cached_call_is_refused():
-    """cuDNN needs 16-byte aligned tensors: an address check runs on every cached call."""
-    api.clear_call_cache()
+    """cuDNN needs 16-byte aligned tensors: the alignment is in the signature, so a misaligned q after
+    a cached call is checked again and refused."""
+    pagedprefill.clear_caches()
     opts = dict(lens_q=[5, 3], lens_kv=[9, 4], hq=8, hkv=2, dqk=64, page_size=16, dtype=BF16, device="cuda")
     a = make_case(7, **opts)
     cudnn_batch_prefill_with_kv_cache(**a.kwargs, backend="cudnn")
@@ -231,28 +234,32 @@ def test_unhashable_arguments_still_get_the_named_error(normalise_calls):
             cudnn_batch_prefill_with_kv_cache(**call)
 
 
-def test_arguments_keyed_by_identity_stay_alive_with_their_plan(normalise_calls):
-    """Device-side inputs are keyed by id(): the plan keeps the objects, so no id is recycled for a
-    different tensor while a plan that names it is cached."""
-    a = make_case(12, **RAGGED)
-    refs = [weakref.ref(a.kwargs[n]) for n in ("actual_seq_lens_q", "workspace_buffer")]
-    cudnn_batch_prefill_with_kv_cache(**a.kwargs, backend="torch")
+@pytest.mark.parametrize("page_size", [0, 3])
+def test_cached_plans_pin_no_caller_buffer(normalise_calls, page_size):
+    """A cached plan holds none of the call's tensors (workspace, lengths, offsets, block table,
+    scales, sinks): a caller who allocates a fresh workspace per call does not accumulate them."""
+    a = make_case(12, **dict(RAGGED, page_size=page_size, offsets="tokens", sinks=True))
+    names = [n for n, t in a.kwargs.items() if isinstance(t, torch.Tensor)]
+    refs = [weakref.ref(a.kwargs[n]) for n in names]
+    for _ in range(3):
+        a.kwargs["workspace_buffer"] = torch.empty_like(a.kwargs["workspace_buffer"])
+        refs.append(weakref.ref(a.kwargs["workspace_buffer"]))
+        out, lse = cudnn_batch_prefill_with_kv_cache(**a.kwargs, backend="torch")
+        check(a, out, lse, atol=2e-5)
+    assert len(plan_cache._PLANS) == 1 and len(normalise_calls) == 1
+    del out, lse
     a.kwargs.clear()
+    a.info.clear()  # (the oracle's own copy of the block table)
     gc.collect()
-    assert all(r() is not None for r in refs)
-    api.clear_call_cache()
-    gc.collect()
-    assert all(r() is None for r in refs)
+    assert [r for r in refs if r() is not None] == []
 
 
 def test_triton_knob_overrides_invalidate_cached_calls(normalise_calls):
-    from pagedprefill.backends import triton_backend
-
     a = make_case(13, **dict(RAGGED, dtype=F16))
     cudnn_batch_prefill_with_kv_cache(**a.kwargs, backend="triton")
     a.kwargs["out"].fill_(float("nan"))
     a.kwargs["lse"].fill_(float("nan"))
-    with triton_backend.config_override(num_splits=2):
+    with tuning.override("triton", num_splits=2):
         out, lse = cudnn_batch_prefill_with_kv_cache(**a.kwargs, backend="triton")
     check(a, out, lse, atol=2e-3)
     assert len(normalise_calls) == 2
