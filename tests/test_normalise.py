@@ -706,3 +706,90 @@ def test_capture_with_host_lengths_is_refused():
         with torch.cuda.graph(graph):
             cudnn_batch_prefill_with_kv_cache(**case.kwargs)
     assert torch.equal(case.kwargs["out"].view(torch.int16), before.view(torch.int16))
+
+
+# --------------------------------------------------------------------------------------------
+# Buffers that overlap (refused before anything is written)
+# --------------------------------------------------------------------------------------------
+
+
+def _ragged_f32(seed=81, **kw):
+    return make_case(seed, lens_q=[3, 4], lens_kv=[5, 6], hq=2, hkv=1, dqk=16, page_size=0, with_out=False, **kw)
+
+
+def _expect_overlap(kwargs, first, second, backend="torch"):
+    """The call raises a ValueError naming both arguments, and writes none of the caller's buffers."""
+    watched = {n: kwargs[n] for n in ("q", "out", "lse", "workspace_buffer") if isinstance(kwargs.get(n), torch.Tensor)}
+    before = {n: as_bytes(t) for n, t in watched.items()}
+    with pytest.raises(ValueError) as err:
+        cudnn_batch_prefill_with_kv_cache(**kwargs, backend=backend)
+    msg = str(err.value)
+    assert first in msg and second in msg and "overlap" in msg, msg
+    for n, t in watched.items():
+        assert as_bytes(t) == before[n], f"{n} was written before the error"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("victim", ["out", "lse", "q"])
+def test_workspace_overlapping_a_tensor_is_refused(backend, victim):
+    case = _ragged_f32(dtype=F16 if backend == "triton" else F32)
+    kw = dict(case.kwargs)
+    rows = 7
+    buf = torch.zeros(1 << 16, dtype=torch.uint8)
+    if victim == "out":
+        kw["out"] = buf[: rows * 2 * 16 * kw["q"].element_size()].view(kw["q"].dtype).view(rows, 2, 16)
+    elif victim == "lse":
+        kw["lse"] = buf[: 2 * 4 * 2 * 4].view(torch.float32).view(2, 4, 2)
+    else:
+        q = kw["q"]
+        kw["q"] = buf[: q.numel() * q.element_size()].view(q.dtype).view(q.shape).copy_(q)
+    kw["workspace_buffer"] = buf
+    _expect_overlap(kw, "workspace_buffer", victim, backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_out_partly_overlapping_q_is_refused(backend):
+    case = _ragged_f32(dtype=F16 if backend == "triton" else F32)
+    kw = dict(case.kwargs)
+    q = kw["q"]
+    buf = torch.randn(q.shape[0] + 3, *q.shape[1:]).to(q.dtype)
+    kw["q"], kw["out"] = buf[: q.shape[0]], buf[3:]
+    _expect_overlap(kw, "out", "q", backend)
+    kw["q"], kw["out"] = buf, buf  # exactly q: refused too (not proven safe on every backend)
+    kw["lse"] = None
+    kw["return_lse"] = False
+    _expect_overlap(kw, "out", "q", backend)
+
+
+def test_lse_overlapping_out_is_refused():
+    case = _ragged_f32()
+    kw = dict(case.kwargs)
+    buf = torch.zeros(4096)
+    kw["out"] = buf[:224].view(7, 2, 16)
+    kw["lse"] = buf[200:216].view(2, 4, 2)
+    _expect_overlap(kw, "out", "lse")
+
+
+def test_out_overlapping_the_cache_is_refused():
+    case = base_case(bits=False, kv_layout="hnd")
+    kw = dict(case.kwargs)
+    k, out = kw["k_cache"], kw["out"]
+    storage = torch.cat([k.reshape(-1), torch.zeros(out.numel())])
+    kw["k_cache"] = storage[: k.numel()].view(k.shape)
+    kw["out"] = storage[k.numel() - 16 :][: out.numel()].view(out.shape)  # shares k's last 16 elements
+    _expect_overlap(kw, "out", "k_cache")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_out_with_a_zero_stride_is_refused_before_any_write(backend):
+    case = _ragged_f32(dtype=F16 if backend == "triton" else F32)
+    kw = dict(case.kwargs)
+    kw["out"] = torch.zeros(1, 2, 16, dtype=kw["q"].dtype).expand(7, 2, 16)
+    msg = expect_value_error(with_(kw, backend=backend), "out", "a tensor without overlapping elements")
+    assert "strides" in msg
+
+
+def test_k_and_v_views_of_one_interleaved_buffer_are_fine():
+    case = base_case(bits=False, kv_layout="interleaved")
+    out, lse = cudnn_batch_prefill_with_kv_cache(**case.kwargs, backend="torch")
+    check(case, out, lse, atol=2e-5)

@@ -64,7 +64,6 @@ class PrefillPlan:
         backend: str,
         workspace_buffer: Tensor | None,
         o_data_type: torch.dtype | None = None,
-        num_pages: int | None = None,
         return_lse: bool = False,
     ):
         self.seq = seq
@@ -80,8 +79,6 @@ class PrefillPlan:
         self.layers: dict[tuple, LayerPlan] = {}
         self.meta: Tensor | None = None
         self._copy_event = None
-        if pages is not None and num_pages is not None:
-            normalise.check_page_ids(pages, seq, num_pages)
         if seq.host is not None:
             self.meta = workspace.host_table(seq.host, device)
             if device.type == "cuda" and seq.batch_size:
@@ -109,6 +106,8 @@ class PrefillPlan:
         q, k, v, shape = normalise.layer_tensors(q, k, v, seq.page_size > 0)
         if not normalise.same_device(q.device, self.device):
             raise fail("q", f"a tensor on the plan's device {self.device}", f"one on {q.device}")
+        if self.pages is not None:  # (page ids on the CPU are validated against the cache's pages)
+            normalise.check_page_ids(self.pages, seq, shape.num_pages)
         o_dtype = normalise.resolve_out_dtype(q.dtype, self.o_data_type, out)
         q_s, k_s, v_s = normalise.scales(q.dtype, k.dtype, *scales, q.device, seq.graph_mode)
         normalise.sinks_arg(sinks, seq.num_qo_heads, q.device)

@@ -1,0 +1,199 @@
+"""``pagedprefill.plan`` and ``PrefillPlan.run``: plan once per batch, run per layer (CPU: torch and
+the Triton interpreter; GPU: every backend, device lengths)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import DEVICE, atol_for
+from oracle import check, make_case, poison
+
+import pagedprefill
+
+F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16
+
+
+def plan_of(case, backend="torch", csr=False, **over):
+    """A plan made from an oracle case's batch (its lengths, table, offsets, heads, dims)."""
+    kw = case.kwargs
+    q, k, v = kw["q"], kw["k_cache"], kw["v_cache"]
+    paged = kw.get("block_tables") is not None
+    args = dict(
+        num_qo_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim_qk=q.shape[2], head_dim_vo=v.shape[-1],
+        page_size=k.shape[2] if paged else 0, actual_seq_lens_q=kw["actual_seq_lens_q"],
+        max_token_per_sequence=kw["max_token_per_sequence"], max_sequence_kv=kw["max_sequence_kv"],
+        causal=kw["causal"], scale=kw["scale"], return_lse=kw["return_lse"], backend=backend,
+        window_left=kw.get("window_left", -1), logits_soft_cap=kw.get("logits_soft_cap", 0.0),
+    )  # fmt: skip
+    for n in ("q", "o", "k", "v", "stats"):
+        if kw.get(f"batch_offsets_{n}") is not None:
+            args[f"batch_offsets_{n}"] = kw[f"batch_offsets_{n}"]
+    if "batch_offsets_units" in kw:
+        args["batch_offsets_units"] = kw["batch_offsets_units"]
+    if csr:
+        args.update(to_csr(case))
+    else:
+        args["actual_seq_lens_kv"] = kw["actual_seq_lens_kv"]
+        if paged:
+            args["block_tables"] = kw["block_tables"]
+    args.update(over)
+    return pagedprefill.plan(kw["workspace_buffer"], **args)
+
+
+def to_csr(case) -> dict:
+    """FlashInfer's CSR pages of a case's dense block table."""
+    ps = case.kwargs["k_cache"].shape[2]
+    table = case.info["block_tables"]
+    indptr, indices, last = [0], [], []
+    for b, n in enumerate(case.lens_kv):
+        pages = -(-n // ps)
+        indices += table[b, :pages].tolist()
+        indptr.append(indptr[-1] + pages)
+        last.append(n - (pages - 1) * ps if pages else 0)
+    dev = case.kwargs["block_tables"].device
+    i32 = dict(dtype=torch.int32, device=dev)
+    return dict(kv_indptr=torch.tensor(indptr, **i32), kv_indices=torch.tensor(indices + [9] * 3, **i32),
+                kv_last_page_len=torch.tensor(last, **i32))  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("page_size,offsets,lse_layout", [(3, "none", "padded"), (0, "tokens", "packed"),
+                                                          (16, "elements", "padded")])  # fmt: skip
+def test_plan_once_run_per_layer_matches_the_oracle(backend, page_size, offsets, lse_layout):
+    dtype = F16 if backend == "triton" else F32
+    case = make_case(5, lens_q=[7, 0, 12], lens_kv=[20, 3, 12], hq=6, hkv=2, dqk=32, page_size=page_size,
+                     dtype=dtype, offsets=offsets, gaps=True, lse_layout=lse_layout, device=DEVICE)  # fmt: skip
+    p = plan_of(case, backend)
+    kw = case.kwargs
+    for layer in range(3):
+        for name in ("q", "k_cache", "v_cache"):  # a new layer: new data in place
+            t = kw[name]
+            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(layer)).to(t.dtype))
+        poison(kw["out"])
+        poison(kw["lse"])
+        out, lse = p.run(kw["q"], kw["k_cache"], kw["v_cache"], kw["out"], kw["lse"])
+        assert out is kw["out"] and lse is kw["lse"]
+        check(case, out, lse, atol=atol_for(dtype), lse_atol=max(atol_for(dtype), 1e-3))
+    assert pagedprefill.last_backend() == backend and p.backend_name == backend
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_csr_pages_match_the_block_table(backend):
+    """FlashInfer's kv_indptr / kv_indices / kv_last_page_len give the same result as the table."""
+    dtype = F16 if backend == "triton" else F32
+    case = make_case(6, lens_q=[7, 3, 12, 1], lens_kv=[20, 0, 12, 30], hq=4, hkv=2, dqk=32, page_size=4,
+                     dtype=dtype, device=DEVICE)  # fmt: skip
+    p = plan_of(case, backend, csr=True)
+    kw = case.kwargs
+    out, lse = p.run(kw["q"], kw["k_cache"], kw["v_cache"], kw["out"], kw["lse"])
+    check(case, out, lse, atol=atol_for(dtype), lse_atol=1e-3)
+
+
+def test_csr_arguments_are_checked():
+    case = make_case(6, lens_q=[7, 3], lens_kv=[20, 5], hq=4, hkv=2, dqk=32, page_size=4)
+    csr = to_csr(case)
+    with pytest.raises(ValueError, match="^kv_last_page_len: expected values in \\[1, page_size = 4\\]"):
+        plan_of(case, csr=True, kv_last_page_len=torch.tensor([9, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="^kv_indptr: expected non-negative, non-decreasing"):
+        plan_of(case, csr=True, kv_indptr=torch.tensor([0, 5, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="^kv_indptr: expected a last entry <="):
+        plan_of(case, csr=True, kv_indices=csr["kv_indices"][:2])
+    with pytest.raises(ValueError, match="^kv_indices: expected page ids in"):
+        bad = csr["kv_indices"].clone()
+        bad[1] = 10**6
+        p = plan_of(case, csr=True, kv_indices=bad)
+        p.run(case.kwargs["q"], case.kwargs["k_cache"], case.kwargs["v_cache"])
+
+
+def test_run_checks_the_layer_against_the_plan():
+    case = make_case(7, lens_q=[5, 2], lens_kv=[9, 4], hq=4, hkv=2, dqk=32, page_size=4)
+    p = plan_of(case)
+    kw = case.kwargs
+    q, k, v = kw["q"], kw["k_cache"], kw["v_cache"]
+    before = kw["out"].clone()
+    with pytest.raises(ValueError, match="^q: expected 4 heads"):
+        p.run(torch.randn(q.shape[0], 8, 32), k, v, kw["out"])
+    with pytest.raises(ValueError, match="head dims"):
+        p.run(torch.randn(q.shape[0], 4, 16), k[..., :16], v[..., :16])
+    with pytest.raises(ValueError, match="^k_cache: expected page size 4"):
+        p.run(q, k.reshape(-1, 2, 2, 32)[: k.shape[0]], v.reshape(-1, 2, 2, 32)[: v.shape[0]])
+    with pytest.raises(ValueError, match="^q: expected a q with at least"):
+        p.run(q[:3], k, v)
+    assert torch.equal(before, kw["out"]) or torch.isnan(before).all() and torch.isnan(kw["out"]).all()
+
+
+def test_run_allocates_outputs_and_follows_return_lse():
+    case = make_case(8, lens_q=[5, 2], lens_kv=[9, 4], hq=4, hkv=2, dqk=32, page_size=4, with_out=False)
+    p = plan_of(case)
+    kw = case.kwargs
+    out, lse = p.run(kw["q"], kw["k_cache"], kw["v_cache"])
+    check(case, out, lse, atol=2e-5)
+    out2, none = p.run(kw["q"], kw["k_cache"], kw["v_cache"], return_lse=False)
+    assert none is None and torch.equal(out2, out)
+    p2 = plan_of(case, return_lse=False)
+    assert p2.run(kw["q"], kw["k_cache"], kw["v_cache"])[1] is None
+
+
+def test_plan_arguments_are_checked():
+    case = make_case(9, lens_q=[5, 2], lens_kv=[9, 4], hq=4, hkv=2, dqk=32, page_size=4)
+    with pytest.raises(ValueError, match="^num_qo_heads: expected a multiple of num_kv_heads"):
+        plan_of(case, num_qo_heads=5)
+    with pytest.raises(ValueError, match="^page_size: expected the page size"):
+        plan_of(case, page_size=0)
+    with pytest.raises(ValueError, match="^backend: expected one of"):
+        plan_of(case, backend="flash")
+    with pytest.raises(ValueError, match="^actual_seq_lens_kv: expected lengths <= max_sequence_kv"):
+        plan_of(case, max_sequence_kv=3)
+    with pytest.raises(ValueError, match="^workspace_buffer: expected a torch.Tensor"):
+        pagedprefill.plan(bytearray(8), num_qo_heads=4, num_kv_heads=2, head_dim_qk=32,
+                          actual_seq_lens_q=torch.tensor([1]))  # fmt: skip
+
+
+def test_plan_defaults_scale_and_maxima_from_host_lengths():
+    case = make_case(10, lens_q=[5, 2], lens_kv=[9, 4], hq=4, hkv=2, dqk=32, page_size=4, max_q=5, max_kv=9)
+    kw = case.kwargs
+    p = plan_of(case, max_token_per_sequence=None, max_sequence_kv=None, scale=None)
+    assert p.seq.max_q == 5 and p.seq.max_kv == 9 and math.isclose(p.seq.scale, 1 / math.sqrt(32))
+    out, lse = p.run(kw["q"], kw["k_cache"], kw["v_cache"], kw["out"], kw["lse"])
+    check(case, out, lse, atol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cudnn"])
+@pytest.mark.parametrize("device_lengths", [False, True])
+def test_gpu_plan_run_every_backend(backend, device_lengths):
+    case = make_case(11, lens_q=[300, 0, 77, 5], lens_kv=[900, 30, 77, 500], hq=28, hkv=4, dqk=128,
+                     page_size=16, dtype=BF16, device="cuda", lens_on_device=device_lengths)  # fmt: skip
+    p = plan_of(case, backend)
+    kw = case.kwargs
+    for _ in range(3):
+        poison(kw["out"])
+        poison(kw["lse"])
+        out, lse = p.run(kw["q"], kw["k_cache"], kw["v_cache"], kw["out"], kw["lse"])
+        check(case, out, lse, atol=atol_for(BF16), lse_atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_plan_captured_in_a_cuda_graph_follows_device_lengths():
+    """A plan over device lengths / table, captured once, replayed after their contents change."""
+    from test_backend_triton import graph_case
+
+    base = graph_case(50, [30, 7], [200, 90], 40, 256, 16, BF16)
+    p = plan_of(base, "triton")
+    kw = base.kwargs
+    p.run(kw["q"], kw["k_cache"], kw["v_cache"], kw["out"], kw["lse"])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        p.run(kw["q"], kw["k_cache"], kw["v_cache"], kw["out"], kw["lse"])
+    for i, (lq, lkv) in enumerate((([12, 40], [100, 256]), ([0, 3], [5, 4]), ([40, 40], [40, 256]))):
+        new = graph_case(51 + i, lq, lkv, 40, 256, 16, BF16)
+        for name, t in kw.items():
+            if isinstance(t, torch.Tensor) and name != "workspace_buffer":
+                t.copy_(new.kwargs[name]) if name not in ("out", "lse") else t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(new, kw["out"], kw["lse"], atol=atol_for(BF16), lse_atol=2e-2)
+
