@@ -66,12 +66,12 @@ def test_not_used_off_the_gpu():
     "kw, served",
     [
         (dict(dqk=64), True), (dict(dqk=128), True), (dict(dqk=192, dvo=128), True), (dict(dqk=96), False),
-        (dict(dqk=256), False), (dict(window_left=8), False), (dict(sinks=True), False),
-        (dict(logits_soft_cap=5.0), False), (dict(dtype=F16, kv_dtype=torch.float8_e4m3fn), False),
+        (dict(dqk=256), False), (dict(window_left=8), True), (dict(sinks=True), True),
+        (dict(logits_soft_cap=5.0), True), (dict(dtype=F16, kv_dtype=torch.float8_e4m3fn), False),
     ],
 )  # fmt: skip
 def test_what_it_serves(kw, served):
-    """16-bit, Dqk = Dvo in {64, 128} or 192 / 128, no variants: the rest takes the portable kernel."""
+    """16-bit, Dqk = Dvo in {64, 128} or 192 / 128 (variants included): the rest takes the portable kernel."""
     why = hp.unavailable_reason(batch_of(_case(**kw)))
     assert (why == "not a CUDA device") == served, why
 
@@ -230,8 +230,9 @@ _AOT = textwrap.dedent(
     backend = make_backend(target)
     ptxas = triton.knobs.nvidia.ptxas.path
     for d, page, causal, dt, dvo, knobs in {specs!r}:
+        variants = {{k: knobs.pop(k) for k in ("window_left", "logits_soft_cap", "sinks") if k in knobs}}
         case = make_case(0, lens_q=[5, 7], lens_kv=[9, 30], hq=8, hkv=2, dqk=d, dvo=dvo, page_size=page,
-                         dtype=getattr(torch, dt), causal=causal)
+                         dtype=getattr(torch, dt), causal=causal, **variants)
         p, lp, ws = planned(case, "torch")
         with tuning.override("hopper", **knobs):
             plan = hp.HopperPlan(lp.batch)
@@ -259,6 +260,8 @@ _AOT = textwrap.dedent(
 
 SPECS = [
     (128, 16, True, "bfloat16", 128, {}),
+    (128, 16, True, "bfloat16", 128, dict(window_left=100, logits_soft_cap=30.0, sinks=True)),
+    (64, 0, False, "float16", 64, dict(window_left=40)),
     (128, 0, False, "float16", 128, {}),  # (WIDE tiles)
     (64, 1, True, "bfloat16", 64, {}),  # (cp.async K/V)
     (192, 0, True, "bfloat16", 128, {}),  # Dqk 192 / Dvo 128: K in 128 + 64 columns
@@ -354,6 +357,37 @@ def test_gpu_chunked_dealing_short_last_chunk(causal, dynamic, monkeypatch):
         case.kwargs["out"].fill_(float("nan"))
         case.kwargs["lse"].fill_(float("nan"))
         check_forced(case, chunk=4, dynamic=dynamic)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(1300, 1330))
+def test_gpu_random_grid_variants(seed, monkeypatch):
+    """Windows (narrower than a tile, a tile, a block, wider than the keys), soft-capping and sinks on
+    the Hopper kernel, in every combination, on small persistent grids."""
+    if seed % 2:
+        monkeypatch.setattr(hp, "_num_sms", lambda device, n=1 + seed % 3: n)
+    r = random.Random(seed)
+    params = hopper_params(seed)
+    if seed % 3 != 2:
+        params["window_left"] = r.choice([0, 1, 17, 63, 64, 65, 191, 200, 1000, 5000])
+    if seed % 3 != 1:
+        params["logits_soft_cap"] = r.choice([2.0, 30.0, 50.0])
+    params["sinks"] = seed % 4 < 2
+    params["scale"] = (None, 0.5, 1.0)[seed % 3]
+    knobs = dict(dynamic=seed // 2 % 2, wide=int(seed % 5 == 0 and params["dqk"] == 128))
+    check_forced(make_case(seed, **params), **knobs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [0, 31, 63, 64, 100, 127, 128, 129, 500])
+def test_gpu_window_tile_boundaries(window, monkeypatch):
+    """Windows whose lower edge falls one key either side of key-tile and row-block boundaries, causal
+    and not, long enough that whole tiles are skipped."""
+    monkeypatch.setattr(hp, "_num_sms", lambda device: 2)
+    for causal in (True, False):
+        case = make_case(61, lens_q=[190, 64, 400], lens_kv=[700, 64, 2000], hq=8, hkv=2, dqk=128, page_size=16,
+                         dtype=BF16, causal=causal, window_left=window, device="cuda")  # fmt: skip
+        check_forced(case)
 
 
 @pytest.mark.gpu

@@ -69,8 +69,6 @@ def unavailable_reason(batch: PrefillBatch) -> str | None:
         return "head dims other than Dqk = Dvo in {64, 128} and Dqk 192 / Dvo 128"
     if not batch.scale > 0 or batch.q_scaled or batch.k_scaled or batch.v_scaled:
         return "scale tensors or a non-positive scale"
-    if batch.variants:
-        return "a sliding window, soft-capping or sinks"
     # cp.async copies 16-byte chunks, and Triton proves an integer's alignment only as "divisible by
     # 16": every q, K and V stride must be a multiple of 16 elements
     for name, lay, aligned in zip("qkv", (batch.q, batch.k, batch.v), batch.aligned):
@@ -251,7 +249,8 @@ class HopperPlan:
                 STAGES=stages(batch, cfg), LOAD_WARPS=cfg.load_warps, CONS_REGS=cfg.consumer_regs,
                 LOAD_REGS=cfg.load_regs, USE_TMA=tma is not None, PAGE_BOX=self.box if tma is not None else 0,
                 K_HEAD_ROWS=bool(key[0]), V_HEAD_ROWS=bool(key[1]), Q_TMA=q_tma,
-                O_STAGE=o_stage_mode(batch, q_tma), num_warps=4,
+                O_STAGE=o_stage_mode(batch, q_tma), WINDOW=batch.window_left >= 0,
+                SOFTCAP=batch.logits_soft_cap > 0, HAS_SINKS=batch.has_sinks, num_warps=4,
             )  # fmt: skip
         return got
 
@@ -277,7 +276,8 @@ class HopperPlan:
             q, k, v, out, t.lse if t.lse is not None else meta, meta, bt, counter, self.dynamic,
             float(batch.scale) * LOG2E, meta.stride(0), batch.batch_size, self.n_m, batch.num_pages, q.stride(0), q.stride(1), *kstr, *vstr, out.stride(0), out.stride(1), batch.num_qo_heads,
             batch.num_kv_heads, self.chunk, tma[0][0] if tma else None, tma[2] if tma else None,
-            tma[1][0] if tma else None, q_desc, *tma_ints,
+            tma[1][0] if tma else None, q_desc, *tma_ints, batch.window_left, float(batch.logits_soft_cap),
+            t.sinks if t.sinks is not None else meta,
         )  # fmt: skip
         return [(hk.attention_kernel, self.grid, args, self._constexprs(tma, q_tma))]
 

@@ -63,11 +63,14 @@ class Geometry:
     V_HEAD_ROWS: gl.constexpr
     Q_TMA: gl.constexpr  # the load warps copy Q by TMA (else each consumer by cp.async)
     O_STAGE: gl.constexpr  # 1: O stored through the consumer's Q slot as whole rows
+    WINDOW: gl.constexpr  # a sliding window: keys below position - window are skipped / masked
+    SOFTCAP: gl.constexpr  # logits c * tanh(s / c)
+    SINKS: gl.constexpr  # a per-head sink logit in every row's denominator
 
     @gluon.constexpr_function
     def __init__(
         self, GROUP, PAGE_SIZE, DQK, DVO, NC, BLOCK_N, STAGES, CAUSAL, HAS_LSE, LOAD_WARPS, USE_TMA,
-        PAGE_BOX, K_HEAD_ROWS, V_HEAD_ROWS, Q_TMA, O_STAGE,
+        PAGE_BOX, K_HEAD_ROWS, V_HEAD_ROWS, Q_TMA, O_STAGE, WINDOW, SOFTCAP, SINKS,
     ):  # fmt: skip
         self.GROUP = gl.constexpr(GROUP)
         self.PAGE_SIZE = gl.constexpr(PAGE_SIZE)
@@ -88,6 +91,9 @@ class Geometry:
         self.V_HEAD_ROWS = gl.constexpr(V_HEAD_ROWS)
         self.Q_TMA = gl.constexpr(Q_TMA)
         self.O_STAGE = gl.constexpr(O_STAGE)
+        self.WINDOW = gl.constexpr(WINDOW)
+        self.SOFTCAP = gl.constexpr(SOFTCAP)
+        self.SINKS = gl.constexpr(SINKS)
 
 
 @aggregate
@@ -145,6 +151,18 @@ def _key_range(r_lo, q_len, kv_len, ROWS: gl.constexpr, geo: Geometry):
     return hi, n_tiles, full
 
 
+@gluon.jit
+def _window_range(r_lo, q_len, kv_len, n_tiles, window, ROWS: gl.constexpr, geo: Geometry):
+    """The sliding window's lower edge for rows [r_lo, r_lo + ROWS): (t_lo: the first key tile any row
+    sees, at most n_tiles; head_end: keys from here on are above every row's edge, in whole tiles)."""
+    tok_hi = gl.minimum((r_lo + ROWS - 1) // geo.GROUP, q_len - 1)
+    first = gl.maximum(r_lo // geo.GROUP + (kv_len - q_len) - window, 0)
+    t_lo = gl.minimum(first // geo.BLOCK_N, n_tiles)
+    edge = gl.maximum(tok_hi + (kv_len - q_len) - window, 0)
+    head_end = (edge + geo.BLOCK_N - 1) // geo.BLOCK_N * geo.BLOCK_N
+    return t_lo, head_end
+
+
 @aggregate
 class Schedule:
     """The work items of one launch and how a program gets its next one."""
@@ -162,10 +180,11 @@ class Schedule:
     item_ids: gl.shared_memory_descriptor  # dynamic: item ids the load warps hand the consumers
     item_full: gl.shared_memory_descriptor
     item_empty: gl.shared_memory_descriptor
+    window: gl.tensor  # WINDOW: window_left
 
     @gluon.constexpr_function
     def __init__(self, META, BT, meta_stride, num_kv_heads, n_bh, num_m_blocks, chunk, total, counter, dynamic,
-                 item_ids, item_full, item_empty):  # fmt: skip
+                 item_ids, item_full, item_empty, window):  # fmt: skip
         self.META = META
         self.BT = BT
         self.meta_stride = meta_stride
@@ -179,6 +198,7 @@ class Schedule:
         self.item_ids = item_ids
         self.item_full = item_full
         self.item_empty = item_empty
+        self.window = window
 
     @gluon.jit
     def num_rounds(self):
@@ -446,16 +466,22 @@ def _load_partition(sched: Schedule, ring: KVRing, slots: QSlots, src: KVSource,
         if sched.dynamic != 0:
             sched.post(item, r, geo.LOAD_WARPS)
         w = sched.work_item(item, geo, False)
+        if geo.WINDOW:  # (tiles wholly below every row's window are never loaded)
+            t_lo, _ = _window_range(w.row0, w.q_len, w.kv_len, w.n_tiles, sched.window, geo.BLOCK_M, geo)
+        else:
+            t_lo = 0
+        n_load = w.n_tiles - t_lo
         # (Q_TMA: the item's Q goes out once its tile STAGES - 2 has a stage: the consumers have then
         # released the tile two before it, so when the last item had >= 2 tiles they are past its last
         # QK GEMM; with O_STAGE they hand the slots back only after the last item's epilogue read O
         # from them, so the empty wait may wait for that; or after the item's last tile)
-        q_at = gl.minimum(w.n_tiles, STAGES - 2)
-        for t in range(w.n_tiles):
-            s = (c + t) % STAGES
-            mbarrier.wait(ring.empty.index(s), (((c + t) // STAGES) & 1) ^ 1)
+        q_at = gl.minimum(n_load, STAGES - 2)
+        for i in range(n_load):
+            t = t_lo + i
+            s = (c + i) % STAGES
+            mbarrier.wait(ring.empty.index(s), (((c + i) // STAGES) & 1) ^ 1)
             if geo.Q_TMA:
-                if t == q_at:
+                if i == q_at:
                     _issue_q(q_desc, slots, w, r, geo)
             if geo.USE_TMA:
                 if (t + 1) * BLOCK_N <= w.kv_len:
@@ -489,9 +515,9 @@ def _load_partition(sched: Schedule, ring: KVRing, slots: QSlots, src: KVSource,
                 src.gather(ring.k.index(s), ring.k1.index(s), ring.v.index(s), w, t, geo)
                 async_copy.mbarrier_arrive(ring.full.index(s), increment_count=False)
         if geo.Q_TMA:
-            if q_at == w.n_tiles:
+            if q_at == n_load:
                 _issue_q(q_desc, slots, w, r, geo)
-        c += w.n_tiles
+        c += n_load
         r += 1
         item = sched.claim(r)
     if sched.dynamic != 0:  # (item >= total: the consumers' stop)
@@ -511,9 +537,12 @@ class OutSink:
     stride_oh: gl.tensor
     num_heads_q: gl.tensor
     qk_scale: gl.tensor  # softmax scale x log2(e)
+    softcap: gl.tensor  # SOFTCAP: the cap c
+    SINKS: gl.tensor  # SINKS: float32 (Hq,) sink logits
 
     @gluon.constexpr_function
-    def __init__(self, Q, stride_qt, stride_qh, Out, LSE, stride_ot, stride_oh, num_heads_q, qk_scale):
+    def __init__(self, Q, stride_qt, stride_qh, Out, LSE, stride_ot, stride_oh, num_heads_q, qk_scale, softcap,
+                 SINKS):  # fmt: skip
         self.Q = Q
         self.stride_qt = stride_qt
         self.stride_qh = stride_qh
@@ -523,19 +552,44 @@ class OutSink:
         self.stride_oh = stride_oh
         self.num_heads_q = num_heads_q
         self.qk_scale = qk_scale
+        self.softcap = softcap
+        self.SINKS = SINKS
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, qk_scale, start_n, diag, kv_len, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
-    """Online-softmax step on one S tile: returns (p, m, l, alpha), p unnormalised (fp32)."""
-    if MASKED:
+def _tanh(x):
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, qk_scale, start_n, diag, kv_len, window, cap_out, MASKED: gl.constexpr,
+             geo: Geometry):  # fmt: skip
+    """Online-softmax step on one S tile: returns (p, m, l, alpha), p unnormalised (fp32).
+    SOFTCAP: the logit is cap_out * tanh(s * qk_scale) (qk_scale then folds 1 / cap in)."""
+    if geo.SOFTCAP:
+        s = _tanh(s * qk_scale) * cap_out  # (log2 units, scaled and capped)
+        if MASKED:
+            cols = start_n + gl.arange(0, s.shape[1], gl.SliceLayout(0, s.type.layout))
+            if geo.CAUSAL:
+                visible = cols[None, :] <= diag[:, None]
+            else:
+                visible = (cols < kv_len)[None, :]
+            if geo.WINDOW:
+                visible = visible & (cols[None, :] >= (diag - window)[:, None])
+            s = gl.where(visible, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_use[:, None])
+    elif MASKED:
         # scale first, then mask: a masked -inf must never meet a zero scale
         cols = start_n + gl.arange(0, s.shape[1], gl.SliceLayout(0, s.type.layout))
         s = s * qk_scale
-        if CAUSAL:
+        if geo.CAUSAL:
             visible = cols[None, :] <= diag[:, None]
         else:
             visible = (cols < kv_len)[None, :]
+        if geo.WINDOW:
+            visible = visible & (cols[None, :] >= (diag - window)[:, None])
         s = gl.where(visible, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet
@@ -588,6 +642,11 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
     dtype: gl.constexpr = slots.q.dtype
     Out = out.Out
     qk_scale = out.qk_scale
+    if geo.SOFTCAP:  # s = cap * tanh(scale * q.k / cap), in log2 units: cap_out * tanh(q.k * qk_scale / cap_out)
+        cap_out = out.softcap * 1.4426950408889634
+        qk_scale = qk_scale / cap_out
+    else:
+        cap_out = 1.0
     # Q_TMA: the slot goes back to the load warps after this warpgroup's last QK GEMM of an item, or,
     # when O is staged through it, after O is read back from it
     Q_EARLY: gl.constexpr = geo.Q_TMA and geo.O_STAGE != 1
@@ -626,70 +685,106 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
         acc = gl.zeros([SUB_M, DVO], gl.float32, O_L)
         s_zero = gl.zeros([SUB_M, BLOCK_N], gl.float32, S_L)
         p_op = gl.zeros([SUB_M, BLOCK_N], dtype, P_L)
-        n_walk = w.n_tiles  # key tiles this warpgroup computes; below full_own none is masked
+        n_walk = w.n_tiles  # key tiles this warpgroup computes up to; below full_own none is masked
         full_own = w.full
         if CAUSAL:
             # (this warpgroup's rows lie inside the block's: its range is within the block's)
             _, n_walk, full_own = _key_range(w.row0 + R0, w.q_len, w.kv_len, SUB_M, geo)
+        if geo.WINDOW:
+            # the ring holds the block's tiles from t_lo on; this warpgroup's own window starts at
+            # t_own (tiles before it are released unread), and keys from head_own on need no mask
+            t_lo, _ = _window_range(w.row0, w.q_len, w.kv_len, w.n_tiles, sched.window, geo.BLOCK_M, geo)
+            t_own, head_own = _window_range(w.row0 + R0, w.q_len, w.kv_len, n_walk, sched.window, SUB_M, geo)
+            t_own = gl.maximum(t_own, t_lo)
+            n_walk = gl.maximum(n_walk, t_own)
+            for t in range(t_lo, t_own):
+                mbarrier.wait(ring.full.index((c + t - t_lo) % STAGES), ((c + t - t_lo) // STAGES) & 1)
+                mbarrier.arrive(ring.empty.index((c + t - t_lo) % STAGES))
+        else:
+            t_lo = 0
+            t_own = 0
+            head_own = 0
         alpha = gl.full([SUB_M], 1.0, gl.float32, gl.SliceLayout(1, O_L))
         if Q_EARLY:
-            if n_walk == 0:  # (the slot is free once this warpgroup's last QK GEMM is done)
+            if n_walk == t_own:  # (the slot is free once this warpgroup's last QK GEMM is done)
                 mbarrier.arrive(slots.empty)
-        if n_walk > 0:  # tile 0: nothing to overlap its softmax with yet
-            s0 = c % STAGES
-            mbarrier.wait(ring.full.index(s0), (c // STAGES) & 1)
+        if n_walk > t_own:  # the first tile: nothing to overlap its softmax with yet
+            s0 = (c + t_own - t_lo) % STAGES
+            mbarrier.wait(ring.full.index(s0), ((c + t_own - t_lo) // STAGES) & 1)
             fence_async_shared()
             s_tok = _qk_async(q_sub, q1_sub, ring.k.index(s0), ring.k1.index(s0), s_zero, DQ1)
             sc = warpgroup_mma_wait(0, deps=[s_tok])
             if Q_EARLY:
-                if n_walk == 1:
+                if n_walk == t_own + 1:
                     mbarrier.arrive(slots.empty)
-            if full_own > 0:
-                p, m_i, l_i, alpha0 = _softmax(sc, m_i, l_i, qk_scale, 0, diag, w.kv_len, False, CAUSAL)
+            unmasked = t_own * BLOCK_N < full_own
+            if geo.WINDOW:
+                unmasked = unmasked & (t_own * BLOCK_N >= head_own)
+            if unmasked:
+                p, m_i, l_i, alpha0 = _softmax(
+                    sc, m_i, l_i, qk_scale, t_own * BLOCK_N, diag, w.kv_len, sched.window, cap_out, False, geo
+                )
             else:
-                p, m_i, l_i, alpha0 = _softmax(sc, m_i, l_i, qk_scale, 0, diag, w.kv_len, True, CAUSAL)
+                p, m_i, l_i, alpha0 = _softmax(
+                    sc, m_i, l_i, qk_scale, t_own * BLOCK_N, diag, w.kv_len, sched.window, cap_out, True, geo
+                )
             p_op = gl.convert_layout(p.to(dtype), P_L)
-        for j in range(1, n_walk):
-            s = (c + j) % STAGES
-            prev = (c + j - 1) % STAGES
-            mbarrier.wait(ring.full.index(s), ((c + j) // STAGES) & 1)
+        for t in range(t_own + 1, n_walk):
+            s = (c + t - t_lo) % STAGES
+            prev = (c + t - t_lo - 1) % STAGES
+            mbarrier.wait(ring.full.index(s), ((c + t - t_lo) // STAGES) & 1)
             fence_async_shared()
-            # S_j = Q K_j^T in flight while O is rescaled for tile j-1 (off the path from the PV
-            # GEMM's wait to the next PV GEMM); then O += P_{j-1} V_{j-1} joins it, and softmax(S_j)
+            # S_t = Q K_t^T in flight while O is rescaled for tile t-1 (off the path from the PV
+            # GEMM's wait to the next PV GEMM); then O += P_{t-1} V_{t-1} joins it, and softmax(S_t)
             # overlaps the PV GEMM
             s_tok = _qk_async(q_sub, q1_sub, ring.k.index(s), ring.k1.index(s), s_zero, DQ1)
-            if j > 1:  # (tile 0 left O zero)
+            if t > t_own + 1:  # (the first tile left O zero)
                 acc = acc * alpha[:, None]
             o_tok = warpgroup_mma(p_op, ring.v.index(prev), acc, is_async=True)
             sc = warpgroup_mma_wait(1, deps=[s_tok])
             if Q_EARLY:
-                if j == n_walk - 1:
+                if t == n_walk - 1:
                     mbarrier.arrive(slots.empty)
-            if j * BLOCK_N < full_own:
-                p, m_i, l_i, alpha_s = _softmax(sc, m_i, l_i, qk_scale, j * BLOCK_N, diag, w.kv_len, False, CAUSAL)
+            unmasked = t * BLOCK_N < full_own
+            if geo.WINDOW:
+                unmasked = unmasked & (t * BLOCK_N >= head_own)
+            if unmasked:
+                p, m_i, l_i, alpha_s = _softmax(
+                    sc, m_i, l_i, qk_scale, t * BLOCK_N, diag, w.kv_len, sched.window, cap_out, False, geo
+                )
                 alpha = gl.convert_layout(alpha_s, gl.SliceLayout(1, O_L))
             else:
-                p, m_i, l_i, alpha_s = _softmax(sc, m_i, l_i, qk_scale, j * BLOCK_N, diag, w.kv_len, True, CAUSAL)
+                p, m_i, l_i, alpha_s = _softmax(
+                    sc, m_i, l_i, qk_scale, t * BLOCK_N, diag, w.kv_len, sched.window, cap_out, True, geo
+                )
                 alpha = gl.convert_layout(alpha_s, gl.SliceLayout(1, O_L))
             acc = warpgroup_mma_wait(0, deps=[o_tok])
             mbarrier.arrive(ring.empty.index(prev))
             p_op = gl.convert_layout(p.to(dtype), P_L)
-        if n_walk > 0:
-            last = (c + n_walk - 1) % STAGES
-            if n_walk > 1:
+        if n_walk > t_own:
+            last = (c + n_walk - 1 - t_lo) % STAGES
+            if n_walk > t_own + 1:
                 acc = acc * alpha[:, None]
             o_tok = warpgroup_mma(p_op, ring.v.index(last), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[o_tok])
             mbarrier.arrive(ring.empty.index(last))
         if CAUSAL:  # tiles past this warpgroup's last key: released unread, in ring order
-            for j in range(n_walk, w.n_tiles):
-                mbarrier.wait(ring.full.index((c + j) % STAGES), ((c + j) // STAGES) & 1)
-                mbarrier.arrive(ring.empty.index((c + j) % STAGES))
-        c += w.n_tiles
+            for t in range(n_walk, w.n_tiles):
+                mbarrier.wait(ring.full.index((c + t - t_lo) % STAGES), ((c + t - t_lo) // STAGES) & 1)
+                mbarrier.arrive(ring.empty.index((c + t - t_lo) % STAGES))
+        c += w.n_tiles - t_lo
 
-        has_key = l_i > 0.0
-        inv_l = gl.where(has_key, 1.0 / gl.where(has_key, l_i, 1.0), 0.0)
-        lse2 = gl.where(has_key, m_i + gl.log2(gl.where(has_key, l_i, 1.0)), float("-inf"))
+        if geo.SINKS:  # the sink joins the denominator: out = acc / (l + e^sink), lse = log(l + e^sink)
+            sink2 = gl.load(out.SINKS + (w.kv_head * GROUP + rows_s % GROUP)) * 1.4426950408889634
+            m_f = gl.maximum(m_i, sink2)
+            a = gl.exp2(m_i - m_f)
+            l_f = l_i * a + gl.exp2(sink2 - m_f)
+            inv_l = a / l_f
+            lse2 = m_f + gl.log2(l_f)
+        else:
+            has_key = l_i > 0.0
+            inv_l = gl.where(has_key, 1.0 / gl.where(has_key, l_i, 1.0), 0.0)
+            lse2 = gl.where(has_key, m_i + gl.log2(gl.where(has_key, l_i, 1.0)), float("-inf"))
         o = (acc * gl.convert_layout(inv_l, gl.SliceLayout(1, O_L))[:, None]).to(Out.dtype.element_ty)
         if geo.O_STAGE == 1:
             # through this warpgroup's Q slot (its last QK GEMM is done) into rows of 16-byte
@@ -723,25 +818,26 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
 
 
 @gluon.jit(
-    do_not_specialize=["meta_stride", "batch_size", "num_m_blocks", "num_pages", "chunk_pairs", "dynamic"],
-    do_not_specialize_on_alignment=["BT", "LSE", "COUNTER"],
+    do_not_specialize=["meta_stride", "batch_size", "num_m_blocks", "num_pages", "chunk_pairs", "dynamic", "window"],
+    do_not_specialize_on_alignment=["BT", "LSE", "COUNTER", "SINKS"],
 )
 def attention_kernel(
     Q, K, V, Out, LSE, META, BT, COUNTER, dynamic, sm_scale_log2, meta_stride, batch_size, num_m_blocks, num_pages,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_ks, stride_vn, stride_vh, stride_vs, stride_ot,
     stride_oh, num_heads_q, num_kv_heads, chunk_pairs, k_desc, k1_desc, v_desc, q_desc, k_page_rows, k_head_off,
-    v_page_rows, v_head_off,
+    v_page_rows, v_head_off, window, softcap, SINKS,
     GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, DQK: gl.constexpr, DVO: gl.constexpr, NC: gl.constexpr,
     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, HAS_LSE: gl.constexpr, STAGES: gl.constexpr,
     LOAD_WARPS: gl.constexpr, CONS_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, USE_TMA: gl.constexpr,
     PAGE_BOX: gl.constexpr, K_HEAD_ROWS: gl.constexpr, V_HEAD_ROWS: gl.constexpr, Q_TMA: gl.constexpr,
-    O_STAGE: gl.constexpr, num_warps: gl.constexpr,
+    O_STAGE: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, HAS_SINKS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
     """LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each; the kernel's own
     num_warps (4) are the first consumer. The ``num_kv_heads * batch_size * num_m_blocks`` work
     items are dealt to a persistent grid (see :class:`Schedule`)."""
     geo = Geometry(GROUP, PAGE_SIZE, DQK, DVO, NC, BLOCK_N, STAGES, CAUSAL, HAS_LSE, LOAD_WARPS, USE_TMA, PAGE_BOX,
-                   K_HEAD_ROWS, V_HEAD_ROWS, Q_TMA, O_STAGE)  # fmt: skip
+                   K_HEAD_ROWS, V_HEAD_ROWS, Q_TMA, O_STAGE, WINDOW, SOFTCAP, HAS_SINKS)  # fmt: skip
     dtype: gl.constexpr = Q.dtype.element_ty
     SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
@@ -784,7 +880,7 @@ def attention_kernel(
     total = n_bh * num_m_blocks
     sched = Schedule(META, BT, gl.to_tensor(meta_stride), gl.to_tensor(num_kv_heads), n_bh, gl.to_tensor(num_m_blocks),
                      gl.to_tensor(chunk_pairs), total, COUNTER, gl.to_tensor(dynamic),
-                     item_ids, item_full, item_empty)  # fmt: skip
+                     item_ids, item_full, item_empty, gl.to_tensor(window))  # fmt: skip
     ring = KVRing(k_smem, k1_smem, v_smem, kv_full, kv_empty)
     slots = QSlots(q_smem, q1_smem, q_full, q_empty)
     src = KVSource(K, V, gl.to_tensor(num_pages), gl.to_tensor(stride_kn), gl.to_tensor(stride_kh),
@@ -792,7 +888,8 @@ def attention_kernel(
                    gl.to_tensor(k_page_rows), gl.to_tensor(k_head_off), gl.to_tensor(v_page_rows),
                    gl.to_tensor(v_head_off))  # fmt: skip
     out = OutSink(Q, gl.to_tensor(stride_qt), gl.to_tensor(stride_qh), Out, LSE, gl.to_tensor(stride_ot),
-                  gl.to_tensor(stride_oh), gl.to_tensor(num_heads_q), gl.to_tensor(sm_scale_log2))  # fmt: skip
+                  gl.to_tensor(stride_oh), gl.to_tensor(num_heads_q), gl.to_tensor(sm_scale_log2),
+                  gl.to_tensor(softcap), SINKS)  # fmt: skip
     R0: gl.constexpr = 0
     R1: gl.constexpr = geo.SUB_M
     R2: gl.constexpr = 2 * geo.SUB_M
