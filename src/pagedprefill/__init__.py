@@ -15,6 +15,7 @@ from pagedprefill.api import (
 )
 from pagedprefill.batch import BackendUnavailableError
 from pagedprefill.dispatch import BACKENDS
+from pagedprefill.merge import merge_state, merge_states
 from pagedprefill.prefill_plan import PrefillPlan
 
 __all__ = [
@@ -25,6 +26,8 @@ __all__ = [
     "clear_caches",
     "cudnn_batch_prefill_with_kv_cache",
     "last_backend",
+    "merge_state",
+    "merge_states",
     "plan",
 ]
 __version__ = "0.2.0"
