@@ -17,10 +17,13 @@ from pagedprefill.batch import BackendUnavailableError
 from pagedprefill.dispatch import BACKENDS
 from pagedprefill.merge import merge_state, merge_states
 from pagedprefill.prefill_plan import PrefillPlan
+from pagedprefill.wrappers import BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
 
 __all__ = [
     "BACKENDS",
     "BackendUnavailableError",
+    "BatchPrefillWithPagedKVCacheWrapper",
+    "BatchPrefillWithRaggedKVCacheWrapper",
     "PrefillPlan",
     "batch_prefill_with_kv_cache",
     "clear_caches",

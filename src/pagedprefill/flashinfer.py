@@ -1,0 +1,38 @@
+"""FlashInfer's names with FlashInfer's conventions, for code ported by changing one import::
+
+    from pagedprefill import flashinfer
+
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+    wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, 32, 8, 128, 16, causal=True)
+    out, lse = wrapper.run(q, (k_cache, v_cache), return_lse=True)   # lse in base 2, as FlashInfer's
+    merged, lse = flashinfer.merge_state(out, lse, out2, lse2)         # base 2 here too
+
+``merge_state`` / ``merge_states`` here take base-2 LSEs (FlashInfer's wrappers' convention); the
+top-level ``pagedprefill.merge_state`` takes this library's natural-log LSEs.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from pagedprefill import merge as _merge
+from pagedprefill.api import cudnn_batch_prefill_with_kv_cache
+from pagedprefill.wrappers import BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
+
+__all__ = [
+    "BatchPrefillWithPagedKVCacheWrapper",
+    "BatchPrefillWithRaggedKVCacheWrapper",
+    "cudnn_batch_prefill_with_kv_cache",
+    "merge_state",
+    "merge_states",
+]
+
+
+def merge_state(v_a: Tensor, s_a: Tensor, v_b: Tensor, s_b: Tensor) -> tuple[Tensor, Tensor]:
+    """FlashInfer's ``merge_state``: base-2 LSEs (see :func:`pagedprefill.merge_state`)."""
+    return _merge.merge_state(v_a, s_a, v_b, s_b, lse_base=2)
+
+
+def merge_states(v: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+    """FlashInfer's ``merge_states``: base-2 LSEs (see :func:`pagedprefill.merge_states`)."""
+    return _merge.merge_states(v, s, lse_base=2)

@@ -1,0 +1,461 @@
+"""FlashInfer's prefill wrappers, drop-in: code written for ``flashinfer.BatchPrefillWithPagedKVCacheWrapper``
+and ``BatchPrefillWithRaggedKVCacheWrapper`` runs by changing the import.
+
+``plan(...)`` takes FlashInfer's arguments (CSR pages: ``qo_indptr``, ``paged_kv_indptr``,
+``paged_kv_indices``, ``paged_kv_last_page_len``) and makes a :class:`~pagedprefill.PrefillPlan`;
+``run(q, paged_kv_cache, ...)`` runs it. Arguments this library does not implement raise
+``NotImplementedError`` naming them; they are never ignored.
+
+As in FlashInfer, the wrappers return the LSE in **base 2** (``log2`` of the sum of ``2^(s log2 e)``),
+shape ``(qo_indptr[-1], num_qo_heads)``; the one-shot ``cudnn_batch_prefill_with_kv_cache`` and
+``PrefillPlan.run`` return natural-log LSEs. ``pagedprefill.merge_state(..., lse_base=2)`` merges
+wrapper LSEs.
+
+Host time: pass ``qo_indptr`` / ``paged_kv_indptr`` / ``paged_kv_last_page_len`` on the CPU (as FlashInfer
+recommends); on the device, ``plan`` reads them back once unless ``max_token_per_sequence`` and
+``max_sequence_kv`` are given (then nothing is read back and the lengths are computed on the device).
+With ``use_cuda_graph=True`` the indptr arrays live in device buffers that ``plan`` refills and every
+``run`` reads, so a run captured once replays correctly after a new ``plan`` (same batch size and no
+longer sequences than the first plan allowed: pass ``max_token_per_sequence`` / ``max_sequence_kv`` to
+the first plan to set those bounds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import Tensor
+
+from pagedprefill import api, normalise
+from pagedprefill.batch import fail
+from pagedprefill.prefill_plan import PrefillPlan
+
+__all__ = ["BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper"]
+
+LOG2E = 1.4426950408889634
+_OUR_BACKENDS = ("auto", "cudnn", "triton", "torch")
+
+
+def _refuse(**given) -> None:
+    """NotImplementedError for every FlashInfer argument given a value this library does not implement."""
+    for name, (value, default) in given.items():
+        if value is not default and value != default:
+            raise NotImplementedError(f"pagedprefill does not implement FlashInfer's {name}={value!r} (default {default!r})")
+
+
+def _dtype(name: str, value) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        dt = getattr(torch, value, None)
+        if isinstance(dt, torch.dtype):
+            return dt
+    raise fail(name, "a torch.dtype or its name (e.g. 'bfloat16')", repr(value))
+
+
+class _Wrapper:
+    _paged: bool
+
+    def __init__(self, float_workspace_buffer: Tensor, kv_layout: str, use_cuda_graph: bool, backend: str, buffers: dict,
+                 custom_mask_buf, mask_indptr_buf, jit_args, jit_kwargs):  # fmt: skip
+        if kv_layout not in ("NHD", "HND"):
+            raise fail("kv_layout", '"NHD" or "HND"', repr(kv_layout))
+        _refuse(custom_mask_buf=(custom_mask_buf, None), mask_indptr_buf=(mask_indptr_buf, None),
+                jit_args=(jit_args, None), jit_kwargs=(jit_kwargs, None))  # fmt: skip
+        if backend not in _OUR_BACKENDS:
+            raise NotImplementedError(
+                f"pagedprefill does not implement FlashInfer's backend={backend!r}; its backends are {_OUR_BACKENDS}"
+            )
+        self._workspace = float_workspace_buffer
+        self._kv_layout = kv_layout
+        self._use_cuda_graph = bool(use_cuda_graph)
+        self._backend = backend
+        self._buffers = buffers
+        self._plan: PrefillPlan | None = None
+        self._window_plans: dict[int, PrefillPlan] = {}
+        self._bounds: tuple[int, int] | None = None
+        self._batch: int | None = None
+        self._dtypes: tuple = (None, None)
+
+    @property
+    def plan_object(self) -> PrefillPlan:
+        """The :class:`~pagedprefill.PrefillPlan` made by the last ``plan``."""
+        if self._plan is None:
+            raise RuntimeError("plan() must be called before run()")
+        return self._plan
+
+    def _graph_vector(self, name: str, t: Tensor) -> Tensor:
+        """use_cuda_graph: ``t``'s values in this wrapper's device buffer ``name`` (given, or made by the
+        first plan), which every run reads."""
+        buf = self._buffers.get(name)
+        dev = self._workspace.device
+        if name == "qo_indptr":  # (a captured graph is sized for one batch size)
+            if self._batch is not None and t.numel() != self._batch + 1:
+                raise fail("qo_indptr", f"{self._batch + 1} entries (use_cuda_graph: the batch size is fixed)", t.numel())
+            self._batch = t.numel() - 1
+        if buf is None:
+            buf = self._buffers[name] = torch.empty(t.numel(), dtype=torch.int32, device=dev)
+        if buf.numel() < t.numel():
+            raise fail(f"{name}_buf", f"at least {t.numel()} entries for this plan", f"{buf.numel()}")
+        view = buf[: t.numel()]
+        view.copy_(t.reshape(-1), non_blocking=True)
+        return view
+
+    def _graph_table(self, table: Tensor) -> Tensor:
+        """use_cuda_graph: the block table's values in this wrapper's device buffer of the first shape."""
+        buf = self._buffers.get("block_tables")
+        if buf is None:
+            buf = self._buffers["block_tables"] = torch.empty(table.shape, dtype=torch.int32, device=self._workspace.device)
+        if buf.shape != table.shape:
+            raise fail("block_tables", f"shape {tuple(buf.shape)} (use_cuda_graph: as in the first plan)", tuple(table.shape))
+        buf.copy_(table, non_blocking=True)
+        return buf
+
+    def _bounds_for(self, max_q, max_kv, lens_q_host, lens_kv_host) -> tuple[int, int]:
+        """The plan's max lengths; with use_cuda_graph, fixed by the first plan."""
+        if max_q is None:
+            max_q = int(max(lens_q_host, default=0))
+        if max_kv is None:
+            max_kv = int(max(lens_kv_host, default=0))
+        if self._use_cuda_graph:
+            if self._bounds is None:
+                self._bounds = (max_q, max_kv)
+            elif max_q > self._bounds[0] or max_kv > self._bounds[1]:
+                raise fail(
+                    "qo_indptr / paged_kv_indptr",
+                    f"sequences no longer than the first plan's bounds (max_token_per_sequence={self._bounds[0]}, "
+                    f"max_sequence_kv={self._bounds[1]}: a captured graph is sized for them; pass larger bounds "
+                    "to the first plan)",
+                    f"max lengths {max_q}, {max_kv}",
+                )
+            max_q, max_kv = self._bounds
+        return max_q, max_kv
+
+    def _run(self, q: Tensor, k: Tensor, v: Tensor, out, lse, return_lse, q_scale, k_scale, v_scale, window_left,
+             sinks) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+        p = self.plan_object
+        q_dt, kv_dt = self._dtypes
+        if q_dt is not None and q.dtype != q_dt:
+            raise fail("q", f"dtype {q_dt} (q_data_type of plan)", q.dtype)
+        if kv_dt is not None and k.dtype != kv_dt:
+            raise fail("paged_kv_cache" if self._paged else "k", f"dtype {kv_dt} (kv_data_type of plan)", k.dtype)
+        if window_left is not None and window_left != p.seq.window_left:
+            p = self._window_plans.get(window_left)
+            if p is None:
+                seq = dataclasses.replace(self._plan.seq, window_left=normalise.variant_args(window_left, 0.0)[0])
+                p = self._window_plans[window_left] = PrefillPlan(
+                    seq, self._plan.vectors, self._plan.pages, device=self._plan.device, backend=self._backend,
+                    workspace_buffer=self._plan.workspace, o_data_type=self._plan.o_data_type,
+                )  # fmt: skip
+        if lse is not None and return_lse:
+            lse_buf = lse
+        else:
+            lse_buf = None
+        o, lse_nat = p.run(q, k, v, out, lse_buf, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
+                           return_lse=bool(return_lse))  # fmt: skip
+        if not return_lse:
+            return o
+        return o, lse_nat.mul_(LOG2E)  # FlashInfer's wrappers return base-2 LSEs
+
+
+class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
+    """FlashInfer's paged prefill wrapper: ``plan`` once per batch, ``run`` per layer."""
+
+    _paged = True
+
+    def __init__(
+        self,
+        float_workspace_buffer: Tensor,
+        kv_layout: str = "NHD",
+        use_cuda_graph: bool = False,
+        qo_indptr_buf: Tensor | None = None,
+        paged_kv_indptr_buf: Tensor | None = None,
+        paged_kv_indices_buf: Tensor | None = None,
+        paged_kv_last_page_len_buf: Tensor | None = None,
+        custom_mask_buf: Tensor | None = None,
+        mask_indptr_buf: Tensor | None = None,
+        backend: str = "auto",
+        jit_args=None,
+        jit_kwargs=None,
+    ) -> None:
+        buffers = dict(qo_indptr=qo_indptr_buf, paged_kv_indptr=paged_kv_indptr_buf,
+                       paged_kv_indices=paged_kv_indices_buf, paged_kv_last_page_len=paged_kv_last_page_len_buf)  # fmt: skip
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend,
+                         {k: v for k, v in buffers.items() if v is not None}, custom_mask_buf, mask_indptr_buf,
+                         jit_args, jit_kwargs)  # fmt: skip
+
+    def plan(
+        self,
+        qo_indptr: Tensor,
+        paged_kv_indptr: Tensor,
+        paged_kv_indices: Tensor,
+        paged_kv_last_page_len: Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim_qk: int,
+        page_size: int,
+        head_dim_vo: int | None = None,
+        custom_mask: Tensor | None = None,
+        packed_custom_mask: Tensor | None = None,
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        sm_scale: float | None = None,
+        window_left: int = -1,
+        logits_soft_cap: float | None = None,
+        rope_scale: float | None = None,
+        rope_theta: float | None = None,
+        q_data_type="float16",
+        kv_data_type=None,
+        o_data_type=None,
+        non_blocking: bool = True,
+        prefix_len_ptr: Tensor | None = None,
+        token_pos_in_items_ptr: Tensor | None = None,
+        token_pos_in_items_len: int = 0,
+        max_item_len_ptr: Tensor | None = None,
+        seq_lens: Tensor | None = None,
+        seq_lens_q: Tensor | None = None,
+        block_tables: Tensor | None = None,
+        max_token_per_sequence: int | None = None,
+        max_sequence_kv: int | None = None,
+        fixed_split_size: int | None = None,
+        disable_split_kv: bool = False,
+    ) -> None:
+        """FlashInfer's ``plan``: CSR pages (``paged_kv_indptr`` (B+1,), ``paged_kv_indices``,
+        ``paged_kv_last_page_len`` (B,)) or, like its cudnn backend, ``seq_lens`` + ``block_tables``."""
+        _refuse(
+            custom_mask=(custom_mask, None), packed_custom_mask=(packed_custom_mask, None),
+            pos_encoding_mode=(pos_encoding_mode, "NONE"), use_fp16_qk_reduction=(use_fp16_qk_reduction, False),
+            rope_scale=(rope_scale, None), rope_theta=(rope_theta, None), prefix_len_ptr=(prefix_len_ptr, None),
+            token_pos_in_items_ptr=(token_pos_in_items_ptr, None), token_pos_in_items_len=(token_pos_in_items_len, 0),
+            max_item_len_ptr=(max_item_len_ptr, None), fixed_split_size=(fixed_split_size, None),
+            disable_split_kv=(disable_split_kv, False), seq_lens_q=(seq_lens_q, None),
+        )  # fmt: skip
+        self._dtypes = (_dtype("q_data_type", q_data_type), _dtype("kv_data_type", kv_data_type))
+        if self._dtypes[1] is None:
+            self._dtypes = (self._dtypes[0], self._dtypes[0])
+        qo_indptr = normalise.vector("qo_indptr", qo_indptr, None, self._workspace.device, False)
+        lens_q = qo_indptr[1:] - qo_indptr[:-1]
+        kv = {}
+        if block_tables is not None:
+            if seq_lens is None:
+                raise fail("seq_lens", "the (B,) KV lengths that go with block_tables", None)
+            kv = dict(block_tables=block_tables, actual_seq_lens_kv=seq_lens)
+            kv_host = seq_lens.tolist() if seq_lens.device.type == "cpu" else None
+        else:
+            indptr = normalise.vector("paged_kv_indptr", paged_kv_indptr, qo_indptr.shape[0], qo_indptr.device, False)
+            last = normalise.vector("paged_kv_last_page_len", paged_kv_last_page_len, qo_indptr.shape[0] - 1,
+                                        qo_indptr.device, False)  # fmt: skip
+            kv = dict(kv_indptr=indptr, kv_indices=paged_kv_indices, kv_last_page_len=last)
+            kv_host = None
+            if indptr.device.type == "cpu" and last.device.type == "cpu":
+                n = (indptr[1:] - indptr[:-1]).clamp(min=0)
+                kv_host = torch.where(n > 0, (n - 1) * page_size + last, 0).tolist()
+        q_host = lens_q.tolist() if lens_q.device.type == "cpu" else None
+        if q_host is None and max_token_per_sequence is None:
+            q_host = lens_q.tolist()  # (device indptr without bounds: one read-back, as FlashInfer does)
+        if kv_host is None and max_sequence_kv is None:
+            kv_host = (seq_lens if block_tables is not None else
+                       _csr_lens(kv["kv_indptr"], kv["kv_last_page_len"], page_size)).tolist()  # fmt: skip
+        max_q, max_kv = self._bounds_for(max_token_per_sequence, max_sequence_kv, q_host or [], kv_host or [])
+        if self._use_cuda_graph:  # (every tensor a run reads lives in this wrapper's buffers)
+            qo_indptr = self._graph_vector("qo_indptr", qo_indptr)
+            lens_q = self._graph_vector("qo_lens", lens_q)
+            if "actual_seq_lens_kv" in kv:
+                kv["actual_seq_lens_kv"] = self._graph_vector("kv_lens", kv["actual_seq_lens_kv"])
+                kv["block_tables"] = self._graph_table(kv["block_tables"])
+            if "kv_indptr" in kv:
+                kv = dict(kv_indptr=self._graph_vector("paged_kv_indptr", kv["kv_indptr"]),
+                          kv_indices=self._graph_vector("paged_kv_indices", kv["kv_indices"]),
+                          kv_last_page_len=self._graph_vector("paged_kv_last_page_len", kv["kv_last_page_len"]))  # fmt: skip
+        self._plan = api.plan(
+            self._workspace, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk,
+            head_dim_vo=head_dim_vo, page_size=page_size, actual_seq_lens_q=lens_q, max_token_per_sequence=max_q,
+            max_sequence_kv=max_kv, causal=causal, scale=sm_scale if sm_scale is not None else 1 / math.sqrt(head_dim_qk),
+            window_left=window_left, logits_soft_cap=logits_soft_cap or 0.0, batch_offsets_q=qo_indptr,
+            batch_offsets_stats=qo_indptr, batch_offsets_units="tokens", o_data_type=_dtype("o_data_type", o_data_type),
+            is_cuda_graph_compatible=self._use_cuda_graph, backend=self._backend, **kv,
+        )  # fmt: skip
+        self._window_plans = {}
+
+    def run(
+        self,
+        q: Tensor,
+        paged_kv_cache: Tensor | tuple[Tensor, Tensor],
+        *args,
+        q_scale=None,
+        k_scale=None,
+        v_scale=None,
+        out: Tensor | None = None,
+        lse: Tensor | None = None,
+        return_lse: bool = False,
+        enable_pdl: bool | None = None,
+        window_left: int | None = None,
+        sinks: Tensor | None = None,
+        kv_cache_sf=None,
+        skip_softmax_threshold_scale_factor: float | None = None,
+        use_fp16_softmax: bool | None = None,
+        uses_spcompress: bool | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """FlashInfer's ``run``: ``paged_kv_cache`` is a ``(k_cache, v_cache)`` tuple of
+        ``[pages, page_size, Hkv, D]`` (NHD) / ``[pages, Hkv, page_size, D]`` (HND) tensors, or one
+        ``[pages, 2, page_size, Hkv, D]`` / ``[pages, 2, Hkv, page_size, D]`` tensor. Returns out, or
+        (out, lse) with ``return_lse`` (lse base 2, ``(qo_indptr[-1], Hq)``)."""
+        if args:
+            raise NotImplementedError("pagedprefill does not implement FlashInfer's extra positional run arguments")
+        _refuse(enable_pdl=(enable_pdl, None) if enable_pdl else (None, None), kv_cache_sf=(kv_cache_sf, None),
+                skip_softmax_threshold_scale_factor=(skip_softmax_threshold_scale_factor, None),
+                use_fp16_softmax=(use_fp16_softmax, None) if use_fp16_softmax else (None, None),
+                uses_spcompress=(uses_spcompress, None) if uses_spcompress else (None, None))  # fmt: skip
+        k, v = self._unpack(paged_kv_cache)
+        return self._run(q, k, v, out, lse, return_lse, q_scale, k_scale, v_scale, window_left, sinks)
+
+    def _unpack(self, cache) -> tuple[Tensor, Tensor]:
+        """(k, v) as (pages, Hkv, page_size, D) views."""
+        if isinstance(cache, (tuple, list)) and len(cache) == 2:
+            k, v = cache
+        elif isinstance(cache, Tensor) and cache.dim() == 5:
+            if cache.shape[1] != 2:
+                raise fail("paged_kv_cache", "a 5-D tensor with K and V on dim 1 (size 2)", f"shape {tuple(cache.shape)}")
+            k, v = cache[:, 0], cache[:, 1]
+        else:
+            raise fail("paged_kv_cache", "a (k_cache, v_cache) tuple or one 5-D tensor", type(cache).__name__)
+        for name, t in (("paged_kv_cache (k)", k), ("paged_kv_cache (v)", v)):
+            if not isinstance(t, Tensor) or t.dim() != 4:
+                raise fail(name, f"a 4-D {self._kv_layout} tensor", t if not isinstance(t, Tensor) else f"shape {tuple(t.shape)}")
+        if self._kv_layout == "NHD":
+            return k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
+        return k, v
+
+
+class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
+    """FlashInfer's ragged prefill wrapper (contiguous K/V per sequence)."""
+
+    _paged = False
+
+    def __init__(
+        self,
+        float_workspace_buffer: Tensor,
+        kv_layout: str = "NHD",
+        use_cuda_graph: bool = False,
+        qo_indptr_buf: Tensor | None = None,
+        kv_indptr_buf: Tensor | None = None,
+        custom_mask_buf: Tensor | None = None,
+        mask_indptr_buf: Tensor | None = None,
+        backend: str = "auto",
+        jit_args=None,
+        jit_kwargs=None,
+    ) -> None:
+        buffers = {k: v for k, v in dict(qo_indptr=qo_indptr_buf, kv_indptr=kv_indptr_buf).items() if v is not None}
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, buffers, custom_mask_buf,
+                         mask_indptr_buf, jit_args, jit_kwargs)  # fmt: skip
+
+    def plan(
+        self,
+        qo_indptr: Tensor,
+        kv_indptr: Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim_qk: int,
+        head_dim_vo: int | None = None,
+        custom_mask: Tensor | None = None,
+        packed_custom_mask: Tensor | None = None,
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        window_left: int = -1,
+        logits_soft_cap: float | None = None,
+        sm_scale: float | None = None,
+        rope_scale: float | None = None,
+        rope_theta: float | None = None,
+        q_data_type="float16",
+        kv_data_type=None,
+        o_data_type=None,
+        non_blocking: bool = True,
+        prefix_len_ptr: Tensor | None = None,
+        token_pos_in_items_ptr: Tensor | None = None,
+        token_pos_in_items_len: int = 0,
+        max_item_len_ptr: Tensor | None = None,
+        fixed_split_size: int | None = None,
+        disable_split_kv: bool = False,
+        seq_lens: Tensor | None = None,
+        seq_lens_q: Tensor | None = None,
+        max_token_per_sequence: int | None = None,
+        max_sequence_kv: int | None = None,
+        v_indptr: Tensor | None = None,
+        o_indptr: Tensor | None = None,
+    ) -> None:
+        """FlashInfer's ``plan``: ``qo_indptr`` and ``kv_indptr`` (B+1,) token offsets of each sequence
+        (``v_indptr`` / ``o_indptr`` when V / out rows start elsewhere)."""
+        _refuse(
+            custom_mask=(custom_mask, None), packed_custom_mask=(packed_custom_mask, None),
+            pos_encoding_mode=(pos_encoding_mode, "NONE"), use_fp16_qk_reduction=(use_fp16_qk_reduction, False),
+            rope_scale=(rope_scale, None), rope_theta=(rope_theta, None), prefix_len_ptr=(prefix_len_ptr, None),
+            token_pos_in_items_ptr=(token_pos_in_items_ptr, None), token_pos_in_items_len=(token_pos_in_items_len, 0),
+            max_item_len_ptr=(max_item_len_ptr, None), fixed_split_size=(fixed_split_size, None),
+            disable_split_kv=(disable_split_kv, False), seq_lens=(seq_lens, None), seq_lens_q=(seq_lens_q, None),
+        )  # fmt: skip
+        self._dtypes = (_dtype("q_data_type", q_data_type), _dtype("kv_data_type", kv_data_type))
+        if self._dtypes[1] is None:
+            self._dtypes = (self._dtypes[0], self._dtypes[0])
+        dev = self._workspace.device
+        qo = normalise.vector("qo_indptr", qo_indptr, None, dev, False)
+        kvp = normalise.vector("kv_indptr", kv_indptr, qo.shape[0], dev, False)
+        lens_q, lens_kv = qo[1:] - qo[:-1], kvp[1:] - kvp[:-1]
+        q_host = lens_q.tolist() if lens_q.device.type == "cpu" or max_token_per_sequence is None else []
+        kv_host = lens_kv.tolist() if lens_kv.device.type == "cpu" or max_sequence_kv is None else []
+        max_q, max_kv = self._bounds_for(max_token_per_sequence, max_sequence_kv, q_host, kv_host)
+        offs = dict(batch_offsets_q=qo, batch_offsets_o=o_indptr if o_indptr is not None else qo, batch_offsets_k=kvp,
+                    batch_offsets_v=v_indptr if v_indptr is not None else kvp, batch_offsets_stats=qo)  # fmt: skip
+        if self._use_cuda_graph:  # (every tensor a run reads lives in this wrapper's buffers)
+            qo = self._graph_vector("qo_indptr", qo)
+            kvp = self._graph_vector("kv_indptr", kvp)
+            lens_q, lens_kv = self._graph_vector("qo_lens", lens_q), self._graph_vector("kv_lens", lens_kv)
+            offs.update(batch_offsets_q=qo, batch_offsets_k=kvp, batch_offsets_stats=qo)
+            offs["batch_offsets_o"] = qo if o_indptr is None else offs["batch_offsets_o"]
+            offs["batch_offsets_v"] = kvp if v_indptr is None else offs["batch_offsets_v"]
+        self._plan = api.plan(
+            self._workspace, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk,
+            head_dim_vo=head_dim_vo, page_size=0, actual_seq_lens_q=lens_q, actual_seq_lens_kv=lens_kv,
+            max_token_per_sequence=max_q, max_sequence_kv=max_kv, causal=causal,
+            scale=sm_scale if sm_scale is not None else 1 / math.sqrt(head_dim_qk), window_left=window_left,
+            logits_soft_cap=logits_soft_cap or 0.0, batch_offsets_units="tokens",
+            o_data_type=_dtype("o_data_type", o_data_type), is_cuda_graph_compatible=self._use_cuda_graph,
+            backend=self._backend, **offs,
+        )  # fmt: skip
+        self._window_plans = {}
+
+    def run(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *args,
+        q_scale=None,
+        k_scale=None,
+        v_scale=None,
+        o_scale=None,
+        out: Tensor | None = None,
+        lse: Tensor | None = None,
+        return_lse: bool = False,
+        enable_pdl: bool | None = None,
+        kv_cache_sf=None,
+        window_left: int | None = None,
+        sinks: Tensor | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """FlashInfer's ``run``: k, v ``[kv_indptr[-1], Hkv, D]`` (NHD) or ``[Hkv, kv_indptr[-1], D]``
+        (HND). Returns out, or (out, lse) with ``return_lse`` (lse base 2, ``(qo_indptr[-1], Hq)``)."""
+        if args:
+            raise NotImplementedError("pagedprefill does not implement FlashInfer's extra positional run arguments")
+        _refuse(o_scale=(o_scale, None), kv_cache_sf=(kv_cache_sf, None),
+                enable_pdl=(enable_pdl, None) if enable_pdl else (None, None))  # fmt: skip
+        if self._kv_layout == "HND":
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
+        return self._run(q, k, v, out, lse, return_lse, q_scale, k_scale, v_scale, window_left, sinks)
+
+
+def _csr_lens(indptr: Tensor, last: Tensor, page_size: int) -> Tensor:
+    n = (indptr[1:] - indptr[:-1]).clamp(min=0)
+    return torch.where(n > 0, (n - 1) * page_size + last, 0)

@@ -1,0 +1,219 @@
+"""FlashInfer's wrapper API (``pagedprefill.BatchPrefillWith*KVCacheWrapper``): plan / run with CSR pages
+(partial last pages), both KV layouts, tuple and 5-D caches, base-2 LSEs, against the oracle."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import DEVICE, atol_for
+from oracle import check, make_case, reference
+
+import pagedprefill
+from pagedprefill import flashinfer
+
+F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16
+
+
+def _case(seed=1, page_size=4, dtype=F32, **kw):
+    base = dict(lens_q=[7, 3, 12, 1], lens_kv=[21, 3, 12, 30], hq=6, hkv=2, dqk=32, page_size=page_size,
+                dtype=dtype, return_lse=False, with_out=False, device=DEVICE)  # fmt: skip
+    return make_case(seed, **{**base, **kw})
+
+
+def _csr(case):
+    ps = case.kwargs["k_cache"].shape[2]
+    table = case.info["block_tables"]
+    indptr, indices, last = [0], [], []
+    for b, n in enumerate(case.lens_kv):
+        pages = -(-n // ps)
+        indices += table[b, :pages].tolist()
+        indptr.append(indptr[-1] + pages)
+        last.append(n - (pages - 1) * ps if pages else 0)
+    assert any(x not in (0, ps) for x in last), "the case should have partial last pages"
+    i32 = dict(dtype=torch.int32)
+    return torch.tensor(indptr, **i32), torch.tensor(indices, **i32).to(DEVICE), torch.tensor(last, **i32)
+
+
+def _qo_indptr(case):
+    return torch.tensor([0, *torch.tensor(case.lens_q).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _ref_lse_rows(case) -> torch.Tensor:
+    """(total_q, Hq) natural-log reference LSE, rows packed by sequence."""
+    case.kwargs["return_lse"] = True
+    _, lses = reference(case)
+    case.kwargs["return_lse"] = False
+    hq, max_q = case.kwargs["q"].shape[1], case.kwargs["max_token_per_sequence"]
+    rows = [lses[b * max_q * hq + i * hq] for b, n in enumerate(case.lens_q) for i in range(n)]
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+@pytest.mark.parametrize("packed_cache", [False, True])
+def test_paged_wrapper_matches_the_oracle(backend, kv_layout, packed_cache):
+    dtype = F16 if backend == "triton" else F32
+    layout = {"NHD": "interleaved" if packed_cache else "nhd", "HND": "hnd"}[kv_layout]
+    case = _case(dtype=dtype, kv_layout=layout)
+    kw = case.kwargs
+    k, v = kw["k_cache"], kw["v_cache"]  # (pages, Hkv, ps, D) views
+    if kv_layout == "NHD":
+        cache = (k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3))
+        if packed_cache:  # the (pages, 2, ps, Hkv, D) buffer that K and V are views of
+            base = k.permute(0, 2, 1, 3)
+            between = (v.data_ptr() - k.data_ptr()) // k.element_size()
+            cache = torch.as_strided(base, (base.shape[0], 2, *base.shape[1:]),
+                                     (base.stride(0), between, *base.stride()[1:]), base.storage_offset())  # fmt: skip
+            assert torch.equal(cache[:, 1], v.permute(0, 2, 1, 3))
+    else:
+        cache = torch.stack([k, v], 1) if packed_cache else (k, v)
+    indptr, indices, last = _csr(case)
+    ws = torch.empty(1 << 24, dtype=torch.uint8, device=DEVICE)
+    w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(ws, kv_layout, backend=backend)
+    w.plan(_qo_indptr(case), indptr, indices, last, 6, 2, 32, 4, causal=kw["causal"], sm_scale=kw["scale"],
+           q_data_type=dtype)  # fmt: skip
+    for _ in range(2):
+        out, lse = w.run(kw["q"], cache, return_lse=True)
+        check(case, out, None, atol=atol_for(dtype))
+        ref = _ref_lse_rows(case)
+        torch.testing.assert_close(lse.double().cpu() * math.log(2), ref, atol=2e-3, rtol=0)
+    assert w.run(kw["q"], cache).shape == out.shape  # (return_lse=False: the output alone)
+
+
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_ragged_wrapper_matches_the_oracle(kv_layout):
+    case = _case(page_size=0)
+    kw = case.kwargs
+    k, v = kw["k_cache"], kw["v_cache"]
+    if kv_layout == "HND":
+        k, v = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+    kv_indptr = torch.tensor([0, *torch.tensor(case.lens_kv).cumsum(0).tolist()], dtype=torch.int32)
+    w = pagedprefill.BatchPrefillWithRaggedKVCacheWrapper(kw["workspace_buffer"], kv_layout)
+    w.plan(_qo_indptr(case), kv_indptr, 6, 2, 32, causal=kw["causal"], q_data_type="float32")
+    out, lse = w.run(kw["q"], k, v, return_lse=True)
+    check(case, out, None, atol=2e-5)
+    torch.testing.assert_close(lse.double() * math.log(2), _ref_lse_rows(case), atol=1e-4, rtol=0)
+
+
+def test_wrapper_and_one_shot_agree_and_merge_in_base_2():
+    """The wrapper's base-2 LSE merges with flashinfer.merge_state exactly as the one-shot call's
+    natural-log LSE with pagedprefill.merge_state."""
+    case = _case(page_size=0, causal=False)
+    kw = case.kwargs
+    kv_indptr = torch.tensor([0, *torch.tensor(case.lens_kv).cumsum(0).tolist()], dtype=torch.int32)
+    w = pagedprefill.BatchPrefillWithRaggedKVCacheWrapper(kw["workspace_buffer"])
+    w.plan(_qo_indptr(case), kv_indptr, 6, 2, 32, q_data_type=F32)
+    o, lse2 = w.run(kw["q"], kw["k_cache"], kw["v_cache"], return_lse=True)
+    m, s = flashinfer.merge_state(o, lse2, o, lse2)  # a state merged with itself: same output, lse + 1 bit
+    torch.testing.assert_close(m, o, atol=1e-6, rtol=0)
+    torch.testing.assert_close(s, lse2 + 1.0, atol=1e-5, rtol=0)
+    m, s = pagedprefill.merge_state(o, lse2 * math.log(2), o, lse2 * math.log(2))
+    torch.testing.assert_close(s, (lse2 + 1.0) * math.log(2), atol=1e-5, rtol=0)
+
+
+def test_window_override_at_run():
+    case = _case(page_size=0, window_left=3)
+    kw = case.kwargs
+    kv_indptr = torch.tensor([0, *torch.tensor(case.lens_kv).cumsum(0).tolist()], dtype=torch.int32)
+    w = pagedprefill.BatchPrefillWithRaggedKVCacheWrapper(kw["workspace_buffer"])
+    w.plan(_qo_indptr(case), kv_indptr, 6, 2, 32, causal=kw["causal"], q_data_type=F32)  # no window planned
+    out = w.run(kw["q"], kw["k_cache"], kw["v_cache"], window_left=3)
+    check(case, out, None, atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "where, kwargs",
+    [
+        ("plan", dict(pos_encoding_mode="ROPE_LLAMA")), ("plan", dict(custom_mask=torch.ones(3))),
+        ("plan", dict(use_fp16_qk_reduction=True)), ("plan", dict(rope_theta=1e4)),
+        ("plan", dict(fixed_split_size=64)), ("plan", dict(disable_split_kv=True)),
+        ("init", dict(jit_args=[1])), ("init", dict(custom_mask_buf=torch.ones(3))), ("init", dict(backend="fa3")),
+        ("run", dict(kv_cache_sf=torch.ones(3))), ("run", dict(enable_pdl=True)),
+    ],
+)  # fmt: skip
+def test_unsupported_flashinfer_arguments_are_named(where, kwargs):
+    case = _case()
+    kw = case.kwargs
+    indptr, indices, last = _csr(case)
+    name = next(iter(kwargs))
+    with pytest.raises(NotImplementedError, match=name):
+        w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(kw["workspace_buffer"], **(kwargs if where == "init" else {}))
+        w.plan(_qo_indptr(case), indptr, indices, last, 6, 2, 32, 4, q_data_type=F32,
+               **(kwargs if where == "plan" else {}))  # fmt: skip
+        k = kw["k_cache"].permute(0, 2, 1, 3)
+        w.run(kw["q"], (k, kw["v_cache"].permute(0, 2, 1, 3)), **(kwargs if where == "run" else {}))
+
+
+def test_run_checks_the_planned_dtypes_and_layout():
+    case = _case()
+    kw = case.kwargs
+    indptr, indices, last = _csr(case)
+    w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(kw["workspace_buffer"], "NHD")
+    with pytest.raises(RuntimeError, match="plan"):
+        w.run(kw["q"], (kw["k_cache"], kw["v_cache"]))
+    w.plan(_qo_indptr(case), indptr, indices, last, 6, 2, 32, 4, q_data_type=F16)
+    with pytest.raises(ValueError, match="^q: expected dtype torch.float16"):
+        w.run(kw["q"], (kw["k_cache"].permute(0, 2, 1, 3), kw["v_cache"].permute(0, 2, 1, 3)))
+    with pytest.raises(ValueError, match="^kv_layout"):
+        pagedprefill.BatchPrefillWithPagedKVCacheWrapper(kw["workspace_buffer"], "NDH")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "triton", "cudnn"])
+def test_gpu_paged_wrapper_every_backend(backend):
+    case = make_case(4, lens_q=[300, 5, 77], lens_kv=[900, 500, 77], hq=32, hkv=8, dqk=128, page_size=16,
+                     dtype=BF16, return_lse=False, with_out=False, device="cuda")  # fmt: skip
+    kw = case.kwargs
+    indptr, indices, last = _csr(case)
+    w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(kw["workspace_buffer"], "NHD", backend=backend)
+    w.plan(_qo_indptr(case), indptr, indices, last, 32, 8, 128, 16, causal=True, q_data_type=BF16)
+    cache = (kw["k_cache"].permute(0, 2, 1, 3), kw["v_cache"].permute(0, 2, 1, 3))
+    try:
+        out = w.run(kw["q"], cache)
+    except ValueError as e:  # cuDNN reads (B, width) tables, not CSR pages
+        assert backend == "cudnn" and "CSR" in str(e)
+        return
+    check(case, out, None, atol=atol_for(BF16))
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_wrapper_replays_after_replan():
+    """use_cuda_graph: capture one run, re-plan with new lengths and pages (same batch size, within the
+    first plan's bounds), replay: the right answer each time."""
+    ws = torch.empty(1 << 26, dtype=torch.uint8, device="cuda")
+    cases = [make_case(10 + i, lens_q=lq, lens_kv=lkv, hq=8, hkv=2, dqk=128, page_size=16, dtype=BF16,
+                       return_lse=False, with_out=False, device="cuda")
+             for i, (lq, lkv) in enumerate([([40, 3], [300, 90]), ([12, 40], [100, 256]), ([0, 7], [5, 40])])]  # fmt: skip
+    total_pages = max(c.kwargs["k_cache"].shape[0] for c in cases)
+    w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(
+        ws, "HND", use_cuda_graph=True, paged_kv_indices_buf=torch.empty(total_pages, dtype=torch.int32, device="cuda"),
+    )  # fmt: skip
+    q = torch.empty(43, 8, 128, dtype=BF16, device="cuda")
+    k = torch.empty(total_pages, 2, 16, 128, dtype=BF16, device="cuda")
+    v = torch.empty_like(k)
+    out = torch.empty(43, 8, 128, dtype=BF16, device="cuda")
+
+    def load(c):
+        indptr, indices, last = _csr(c)
+        w.plan(_qo_indptr(c), indptr, indices, last, 8, 2, 128, 16, causal=True, q_data_type=BF16,
+               max_token_per_sequence=40, max_sequence_kv=300)  # fmt: skip
+        kw = c.kwargs
+        q[: kw["q"].shape[0]].copy_(kw["q"])
+        k[: kw["k_cache"].shape[0]].copy_(kw["k_cache"])
+        v[: kw["v_cache"].shape[0]].copy_(kw["v_cache"])
+        out.fill_(float("nan"))
+
+    load(cases[0])
+    w.run(q, (k, v), out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w.run(q, (k, v), out=out)
+    for c in cases[1:] + cases[:1]:
+        load(c)
+        graph.replay()
+        torch.cuda.synchronize()
+        rows = sum(c.lens_q)
+        check(c, out[:rows].clone(), None, atol=atol_for(BF16))
