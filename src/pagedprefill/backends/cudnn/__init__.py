@@ -168,16 +168,31 @@ class CudnnPlan:
         ops = (t.q, t.out) if self.batch.paged else (t.q, t.out, t.k, t.v)
         return all(x.numel() for x in ops) and (t.lse is None or t.lse.numel() > 0)
 
+    def _this_threads_graph(self) -> graph.Plan:
+        """The graph, built for this thread's cuDNN handle: a plan made (or a call plan cached) on
+        another thread resolves its graph again here instead of executing one of another handle."""
+        plan = self.graph
+        if plan.key:
+            dev = graph.device_index(self.batch.device)
+            if plan.key[1:3] != (dev, graph.handle(dev).backend_handle):
+                got = _built(self.batch)
+                if isinstance(got, str):
+                    raise RuntimeError(f"backend='cudnn' cannot serve this call: {got}")
+                self.graph, self._views, self._static = got, None, None
+                self.workspace_bytes = got.layout.total
+                plan = got
+        return plan
+
     def run(self, t: CallTensors) -> None:
         if self.graph is None:
             return  # every q_len is 0: nothing is written
-        batch, plan = self.batch, self.graph
+        batch, plan = self.batch, self._this_threads_graph()
         if t.scratch.numel() < plan.layout.total:
             raise ValueError(
                 f"workspace_buffer: expected {plan.layout.total} bytes of cuDNN scratch, got {t.scratch.numel()}"
             )
         views = self.views(t.scratch)
-        n_idx = t.pages.numel() if batch.paged else 0
+        n_idx = prepare.table_span(t.pages) if batch.paged else 0
         if self.triton:
             prepare.prepare_triton(
                 plan.spec, plan.layout, views.ints, views.table, t.meta, t.pages, t.out, t.lse, t.sinks,

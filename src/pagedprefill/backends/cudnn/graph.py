@@ -215,6 +215,8 @@ def static_reason(batch: PrefillBatch) -> str | None:
         )
     if batch.fp8_q and k.dtype != q.dtype:
         return f"cuDNN fp8 SDPA needs q, k and v of one fp8 dtype; got q {q.dtype}, k/v {k.dtype}"
+    if batch.fp8_q and (batch.window_left >= 0 or batch.has_sinks):
+        return "the cuDNN fp8 graph here has no sliding window (window_left) or sinks; use backend='triton'"
     if batch.logits_soft_cap > 0:
         return "cuDNN SDPA has no logit soft-capping (logits_soft_cap); use backend='triton'"
     if batch.pages == "csr":

@@ -171,8 +171,19 @@ def prepare_triton(spec, layout, ints, table, meta, pages, out, lse, sinks, batc
     fast_launch(_prepare_kernel, grid, args, kwargs)
 
 
+def table_span(pages: Tensor | None) -> int:
+    """Entries of the flat page list that ``pages`` spans: a ``(B, width)`` block table of any row
+    stride (unit column stride) ends at ``(B - 1) * stride + width``; 0 without page ids."""
+    if pages is None or pages.numel() == 0:
+        return 0
+    if pages.dim() == 1:
+        return pages.numel()
+    return (pages.shape[0] - 1) * pages.stride(0) + pages.shape[1]
+
+
 def prepare_torch(spec, layout, consts, ints, table, meta, pages, batch_size, num_indices) -> Tensor:
-    """The same rows with torch ops; returns the (4, row) fix ranges for :func:`fill_empty_rows`."""
+    """The same rows with torch ops; returns the (4, row) fix ranges for :func:`fill_empty_rows`.
+    ``num_indices``: :func:`table_span` of ``pages`` (the entries the flat page offsets address)."""
     row, n = layout.row, batch_size
     m = torch.nn.functional.pad(meta.long(), (0, row - n))  # (8, row)
     lq, lkv, qs, os_, ks, vs, ls, bs = m
@@ -195,10 +206,14 @@ def prepare_torch(spec, layout, consts, ints, table, meta, pages, batch_size, nu
     rows += [last, base, os_, os_ + skip, ls // hq, ls // hq + skip]
     ints.copy_(torch.stack(rows).to(torch.int32))
     if spec.paged:
+        if num_indices == 0:  # no page id at all: then every kv_len is 0, and any valid page will do
+            table.zero_()
+            return ints[R_FIX:]
         bb = spec.batch
         idx = torch.minimum(consts.cols, last[:bb, None]) + base[:bb, None]
-        idx = idx.clamp(0, max(num_indices - 1, 0))
-        torch.index_select(pages.reshape(-1), 0, idx.view(-1), out=table.view(-1))
+        idx = idx.clamp(0, num_indices - 1)
+        flat = pages.as_strided((num_indices,), (1,))  # the rows at their own stride (not a copy)
+        torch.index_select(flat, 0, idx.view(-1), out=table.view(-1))
         table.clamp_(0, spec.num_pages - 1)
     return ints[R_FIX:]
 
