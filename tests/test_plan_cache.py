@@ -263,3 +263,43 @@ def test_triton_knob_overrides_invalidate_cached_calls(normalise_calls):
         out, lse = cudnn_batch_prefill_with_kv_cache(**a.kwargs, backend="triton")
     check(a, out, lse, atol=2e-3)
     assert len(normalise_calls) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cudnn", "auto"])
+def test_gpu_serving_loop_device_memory_is_flat(backend):
+    """A serving loop: one paged cache, a new random batch of chunked prefills every call (new
+    lengths, new block table, new q), results dropped. After warm-up, device memory must not grow
+    (no gc.collect: whatever the library keeps must be bounded by itself)."""
+    pagedprefill.clear_caches()
+    gen = torch.Generator().manual_seed(17)
+    hq, hkv, d, page, pages = 8, 2, 64, 16, 4096
+    k_cache = torch.randn(pages, hkv, page, d, device="cuda", dtype=BF16)
+    v_cache = torch.randn(pages, hkv, page, d, device="cuda", dtype=BF16)
+    ws = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+
+    def step():
+        b = int(torch.randint(1, 33, (1,), generator=gen))
+        q_lens = torch.randint(1, 97, (b,), generator=gen, dtype=torch.int32)
+        kv_lens = q_lens + torch.randint(0, 300, (b,), generator=gen, dtype=torch.int32)
+        per = (kv_lens + page - 1) // page
+        table = torch.randperm(pages, generator=gen, dtype=torch.int32)[: b * int(per.max())].view(b, -1)
+        q = torch.randn(int(q_lens.sum()), hq, d, device="cuda", dtype=BF16)
+        cudnn_batch_prefill_with_kv_cache(
+            q, k_cache, v_cache, d**-0.5, ws, max_token_per_sequence=int(q_lens.max()),
+            max_sequence_kv=int(kv_lens.max()), actual_seq_lens_q=q_lens, actual_seq_lens_kv=kv_lens,
+            block_tables=table.cuda(), causal=True, return_lse=True, backend=backend,
+        )  # fmt: skip
+
+    try:
+        for _ in range(150):
+            step()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        for _ in range(600):
+            step()
+        torch.cuda.synchronize()
+        growth = torch.cuda.memory_allocated() - before
+        assert growth <= 1 << 20, f"{backend}: device memory grew {growth / 2**20:.2f} MiB over 600 calls"
+    finally:
+        pagedprefill.clear_caches()

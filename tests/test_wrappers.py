@@ -190,10 +190,11 @@ def test_gpu_cuda_graph_wrapper_replays_after_replan():
     w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(
         ws, "HND", use_cuda_graph=True, paged_kv_indices_buf=torch.empty(total_pages, dtype=torch.int32, device="cuda"),
     )  # fmt: skip
-    q = torch.empty(43, 8, 128, dtype=BF16, device="cuda")
+    rows = max(c.kwargs["q"].shape[0] for c in cases)
+    q = torch.empty(rows, 8, 128, dtype=BF16, device="cuda")
     k = torch.empty(total_pages, 2, 16, 128, dtype=BF16, device="cuda")
     v = torch.empty_like(k)
-    out = torch.empty(43, 8, 128, dtype=BF16, device="cuda")
+    out = torch.empty(rows, 8, 128, dtype=BF16, device="cuda")
 
     def load(c):
         indptr, indices, last = _csr(c)

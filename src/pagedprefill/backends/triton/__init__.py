@@ -69,7 +69,7 @@ def compiled_variants() -> int:
     """Kernel variants compiled so far in this process (all devices); 0 under the interpreter."""
     from pagedprefill.kernels import metadata
 
-    kernels = [fa2.fa2_kernel.prefill_kernel, fa2.fa2_kernel.merge_kernel, metadata._metadata_kernel]
+    kernels = [fa2.fk.prefill_kernel, fa2.fk.merge_kernel, metadata._metadata_kernel]
     if hopper.hk is not None:
         kernels.append(hopper.hk.attention_kernel)
     return launch.compiled_variants(*kernels)
