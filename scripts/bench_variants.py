@@ -83,10 +83,10 @@ def fa3():
     return flash_attn_varlen_func, None
 
 
-def run_fa3(fn, dense, batch, q_len, softcap=0.0):
+def run_fa3(fn, dense, batch, q_len, softcap=0.0, window=-1):
     q, k, v = dense
     cu = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device="cuda")
-    return lambda: fn(q, k, v, cu, cu, q_len, q_len, causal=True, softcap=softcap)
+    return lambda: fn(q, k, v, cu, cu, q_len, q_len, causal=True, softcap=softcap, window_size=(window, 0))
 
 
 def main() -> int:
@@ -118,6 +118,9 @@ def main() -> int:
     add("window 4096", "1 x 32k, 32/8, D128", "triton, full causal", ours(call), full)
     add("window 4096", "1 x 32k, 32/8, D128", "triton, window 4096", ours(call, window_left=4096), win)
     add("window 4096", "1 x 32k, 32/8, D128", "cudnn, window 4096", ours(call, "cudnn", window_left=4096), win)
+    if fa3_fn is not None:
+        add("window 4096", "1 x 32k, 32/8, D128", "fa3-varlen, full causal", run_fa3(fa3_fn, dense, b, n), full)
+        add("window 4096", "1 x 32k, 32/8, D128", "fa3-varlen, window 4096", run_fa3(fa3_fn, dense, b, n, window=4096), win)
     del call, dense
     # 2. soft-cap 50, Gemma-shaped (16/8 heads, D 256)
     b, n, hq, hkv, d = 4, 4096, 16, 8, 256
@@ -150,6 +153,7 @@ def main() -> int:
     add("sinks + window 128", "4 x 4k, 64/8, D64", "triton, sinks (no window)", ours(call, sinks=sinks), f)
     if fa3_fn is not None:
         add("sinks + window 128", "4 x 4k, 64/8, D64", "fa3-varlen, plain causal", run_fa3(fa3_fn, dense, b, n), f)
+        add("sinks + window 128", "4 x 4k, 64/8, D64", "fa3-varlen, window 128", run_fa3(fa3_fn, dense, b, n, window=128), fw)
     del call, dense
     # 4. merge_state against the copy bandwidth
     t, h, d = 65536, 32, 128

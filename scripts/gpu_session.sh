@@ -9,7 +9,7 @@
 #   layers    a serving engine's eager step of 32 layers (plan once, run per layer)
 #   serving   a 10,000-call serving loop per backend: latency, builds, device memory growth
 #   variants  scripts/bench_variants.py: window, soft-cap, sinks, merge_state
-# Knobs: PYTEST_ARGS, TEST_S (tests' time limit), WORKERS, BENCH_ARGS, SERVING_N, TAG (file prefix).
+# Knobs: TESTS (test paths/ids, default tests), PYTEST_ARGS, TEST_S (tests' time limit), WORKERS, BENCH_ARGS, SERVING_N, TAG (file prefix).
 # Wheels (.whl/, carried): nvidia-cudnn-frontend, fa3-fwd, pytest-xdist + execnet.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -41,7 +41,7 @@ for s in $steps; do
     tests)
       par=""
       python3 -c "import xdist" 2>/dev/null && par="-n ${WORKERS:-8}"
-      timeout "${TEST_S:-420}" python3 -m pytest -q -m gpu $par -p no:cacheprovider ${PYTEST_ARGS:-} tests \
+      timeout "${TEST_S:-420}" python3 -m pytest -q -m gpu $par -p no:cacheprovider ${PYTEST_ARGS:-} ${TESTS:-tests} \
         >"$OUT/$TAG-tests.log" 2>&1
       echo "rc $?"
       grep -E "^(FAILED|ERROR)" "$OUT/$TAG-tests.log" | head -40

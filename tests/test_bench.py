@@ -1,34 +1,43 @@
-"""The benchmark CLI and the workload rules, on the CPU (fast)."""
+"""The benchmark (pagedprefill.bench) and the workload rules (pagedprefill.workloads), on the CPU.
+
+GPU smoke tests at the end (``@pytest.mark.gpu``) run every GPU code path on tiny cases.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from pagedprefill import bench
 from pagedprefill import workloads as wl
+from pagedprefill.bench import cases, cli, layers, references, serving, sweep, tables
+from pagedprefill.bench.checks import compare
+from pagedprefill.bench.common import OUT_REL_TOL, Interrupted, Progress
 
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "bench" / "workloads.json"
 REQUIRED = {
     "workload",
     "backend",
+    "kind",
+    "data",
     "ms",
     "tflops",
     "gflop",
     "gpu",
     "date",
     "torch",
-    "triton",
-    "cudnn",
     "ok",
     "max_err",
 }
+FAST = ["--device", "cpu", "--reps", "1"]
 
 
 def _rows(path) -> list[dict]:
@@ -36,9 +45,22 @@ def _rows(path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _table_lines(text: str) -> list[str]:
+    return text.strip().splitlines()
+
+
 # ---------------------------------------------------------------------------------------------
 # workloads.py
 # ---------------------------------------------------------------------------------------------
+
+
+def test_workloads_json_is_the_shared_file():
+    here = Path(wl.__file__).with_name("workloads.json")
+    names = [w["name"] for w in wl.load_workloads()]
+    assert len(names) == 17 and len(set(names)) == 17
+    if not SHARED.exists():
+        pytest.skip(f"{SHARED} not present on this machine")
+    assert here.read_bytes() == SHARED.read_bytes()
 
 
 def test_lengths_varlen_b32_matches_readme_rule():
@@ -52,23 +74,26 @@ def test_lengths_varlen_b32_matches_readme_rule():
     q_lens, kv_lens = wl.lengths(w)
     assert q_lens == q.tolist()
     assert kv_lens == (q + p).tolist()
-    assert all(16 <= x <= 2048 for x in q_lens)
-    assert all(0 <= k - x <= 4096 for x, k in zip(q_lens, kv_lens))
 
 
 def test_lengths_fixed_workloads():
     assert wl.lengths(wl.get_workload("llama8b_b16_q1k")) == ([1024] * 16, [1024] * 16)
     assert wl.lengths(wl.get_workload("chunked_b8_q512_p7680")) == ([512] * 8, [8192] * 8)
-    assert wl.lengths(wl.get_workload("page64_b16_q1k")) == ([1024] * 16, [2048] * 16)
+    assert wl.lengths(wl.get_workload("short_b256_q64_p512")) == ([64] * 256, [576] * 256)
+
+
+def test_flops_small_hand_computed_case():
+    # README: per sequence and query head 2 * (Dqk + Dvo) * visible pairs; causal row i sees
+    # min(kv, kv - q + i + 1) keys, never below 0.
+    # q=3, kv=5 causal: rows see 3, 4, 5 keys = 12 pairs; q=4, kv=2 causal: rows see 0, 0, 1, 2 = 3 pairs.
+    hq, dqk, dvo = 2, 4, 8
+    assert wl.flops(([3], [5]), True, hq, dqk, dvo) == 2 * (4 + 8) * 2 * 12 == 576
+    assert wl.flops(([4], [2]), True, hq, dqk, dvo) == 2 * 12 * 2 * 3
+    assert wl.flops(([3, 4], [5, 2]), False, hq, dqk, dvo) == 2 * 12 * 2 * (15 + 8)
 
 
 def _brute_pairs(q_len: int, kv_len: int, causal: bool) -> int:
-    n = 0
-    for i in range(q_len):
-        for j in range(kv_len):
-            if not causal or j <= i + kv_len - q_len:
-                n += 1
-    return n
+    return sum(1 for i in range(q_len) for j in range(kv_len) if not causal or j <= i + kv_len - q_len)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -80,9 +105,8 @@ def test_flops_against_brute_force(causal):
     assert wl.flops((q_lens, kv_lens), causal, hq, dqk, dvo) == want
 
 
-def test_flops_workload_dict_matches_readme_gflop():
-    # GFLOP column of the README's anchor table.
-    anchors = {
+def test_flops_match_readme_gflop_column():
+    anchors = {  # the README's GFLOP column
         "llama8b_b16_q1k": 137.6,
         "llama8b_b4_q4k": 549.9,
         "llama8b_b1_q16k": 2199.2,
@@ -93,13 +117,47 @@ def test_flops_workload_dict_matches_readme_gflop():
         "page1_b16_q1k": 137.6,
         "page64_b16_q1k": 412.5,
         "mla192_b4_q4k": 2749.5,
+        "d64_b16_q2k": 275.0,
+        "d96_mha_b4_q4k": 412.4,
+        "d256_b8_q2k": 137.5,
+        "gqa7_b4_q4k": 481.2,
+        "short_b256_q64_p512": 146.2,
+        "fp8kv_b8_q2k": 275.0,
+        "fp8_b2_q8k": 1099.6,
     }
-    got = {w["name"]: round(wl.flops(w) / 1e9, 1) for w in wl.load_workloads()}
-    assert got == anchors
+    assert {w["name"]: round(wl.flops(w) / 1e9, 1) for w in wl.load_workloads()} == anchors
+
+
+@pytest.mark.parametrize("name", ["fp8kv_b8_q2k", "fp8_b2_q8k", "cpu_fp8kv_b2_q64", "cpu_fp8_b2_q64"])
+def test_fp8_builders_store_value_over_half_with_half_scales(name):
+    w = wl.get_workload(name)
+    kind = w["dtype"]
+    lens = ([5, 19], [21, 19])  # small lengths: the workload's heads, dims and page size
+    wide = wl.build_case(w, "cpu", seed=4, lens=lens, fp8=False)
+    got = wl.build_case(w, "cpu", seed=4, lens=lens)
+    e4m3 = torch.float8_e4m3fn
+    for name_ in ("k_cache", "v_cache"):
+        assert got[name_].dtype == e4m3 and got[name_].stride() == wide[name_].stride()  # NHD pages stay NHD
+        want = (wide[name_].float() / 0.5).to(e4m3)
+        assert torch.equal(got[name_].view(torch.uint8), want.view(torch.uint8))
+        real = got[name_].float() * 0.5  # real = stored x scale: within e4m3's rounding of the value
+        assert torch.allclose(real, wide[name_].float(), rtol=2**-4, atol=2**-10)
+    for s in ("k_scale", "v_scale"):
+        assert got[s].dtype == torch.float32 and got[s].shape == (1,) and float(got[s]) == 0.5
+    if kind == "fp8":
+        assert got["q"].dtype == e4m3 and float(got["q_scale"]) == 0.5 and got["q_scale"].shape == (1,)
+        assert torch.equal(got["q"].view(torch.uint8), (wide["q"].float() / 0.5).to(e4m3).view(torch.uint8))
+        assert got["out"].dtype == torch.bfloat16
+    else:
+        assert "q_scale" not in got and torch.equal(got["q"], wide["q"]) and got["q"].dtype == torch.bfloat16
+    assert torch.equal(got["block_tables"], wide["block_tables"])  # the same batch (lengths, pages)
+    assert wl.quantize_case(wide, kind)["block_tables"] is wide["block_tables"]
+    dense = wl.dense_reference_inputs(got)
+    assert dense["k"].dtype == e4m3 and dense["k_scale"] == 0.5
 
 
 def test_build_case_layout_and_dense_inputs():
-    w = dict(wl.get_workload("cpu_varlen_b4_noncausal"))
+    w = wl.get_workload("cpu_varlen_b4_noncausal")
     case = wl.build_case(w, "cpu", seed=3)
     q_lens, kv_lens = wl.lengths(w)
     k = case["k_cache"]
@@ -108,18 +166,12 @@ def test_build_case_layout_and_dense_inputs():
     assert case["block_tables"].dtype == torch.int32
     assert case["q"].dtype == torch.bfloat16 and case["q"].shape[0] == sum(q_lens)
     assert case["scale"] == pytest.approx(1 / math.sqrt(w["head_dim_qk"]))
-    used = [
-        int(p)
-        for b, n in enumerate(kv_lens)
-        for p in case["block_tables"][b, : -(-n // w["page_size"])].tolist()
-    ]
-    assert sorted(used) == list(range(k.shape[0]))  # every page used once
-    assert used != sorted(used)  # shuffled
-    dense = wl.dense_reference_inputs(case)
-    # token t of sequence b, gathered one key at a time through the block table
     page = w["page_size"]
+    used = [int(p) for b, n in enumerate(kv_lens) for p in case["block_tables"][b, : -(-n // page)].tolist()]
+    assert sorted(used) == list(range(k.shape[0])) and used != sorted(used)  # every page once, shuffled
+    dense = wl.dense_reference_inputs(case)
     row = 0
-    for b, n in enumerate(kv_lens):
+    for b, n in enumerate(kv_lens):  # token t of sequence b, one key at a time through the block table
         for t in range(n):
             pg = int(case["block_tables"][b, t // page])
             assert torch.equal(dense["k"][row], k[pg, :, t % page])
@@ -137,101 +189,236 @@ def test_build_case_ragged_offsets():
 
 
 # ---------------------------------------------------------------------------------------------
-# bench.py
+# the table mode
 # ---------------------------------------------------------------------------------------------
 
 
 def test_cpu_bench_end_to_end(tmp_path, capsys):
-    out = tmp_path / "r.json"
-    md = tmp_path / "t.md"
+    out, md = tmp_path / "r.json", tmp_path / "t.md"
     t0 = time.perf_counter()
-    rc = bench.main(
+    rc = cli.main(
         [
-            "--device",
-            "cpu",
+            *FAST,
             "--backends",
-            "torch,cudnn,fa2-varlen",
-            "--reps",
-            "2",
+            "torch,cudnn,fa3-varlen,fa2-varlen",
             "--out-json",
             str(out),
             "--markdown",
             str(md),
-            "--plot",
-            str(tmp_path / "p.png"),
         ]
     )
     elapsed = time.perf_counter() - t0
-    text = capsys.readouterr().out
-    assert rc == 0, text
-    assert elapsed < 30
+    cap = capsys.readouterr()
+    assert rc == 0, cap.out + cap.err
+    assert elapsed < 20
     rows = _rows(out)
-    assert len(rows) == 3 * len(wl.CPU_WORKLOADS)  # one per (workload, backend)
+    assert len(rows) == 4 * len(wl.CPU_WORKLOADS)  # one per (workload, backend)
     for r in rows:
         assert REQUIRED <= set(r), REQUIRED - set(r)
-        if r["backend"] != "torch":  # cudnn and FA2 cannot run on the CPU: skipped, with the reason
+        if r["backend"] != "torch":  # cannot run on the CPU: skipped, with the reason
             assert r["ms"] is None and r["skipped"]
             continue
-        assert r["ms"] > 0 and r["tflops"] > 0 and r["gflop"] > 0
-        assert r["ok"] is True and 0 <= r["max_err"] < 0.1 and r["rel_err"] <= bench.OUT_REL_TOL
-        assert r["gpu"] == "cpu"
-    assert "not comparable to GPU numbers" in text
-    assert "skipped: cpu_b2_q64_p64 / cudnn" in text
-    last = text.strip().splitlines()
-    assert last[-1].startswith("cpu_varlen_b4_noncausal")  # the table comes last
+        assert r["ms"] > 0 and r["tflops"] > 0 and r["gflop"] > 0 and r["gpu"] == "cpu"
+        assert r["ok"] is True and r["rel_err"] <= OUT_REL_TOL and r["data"] == r["kind"]
+    assert {r["kind"] for r in rows} == {"bf16", "fp8_kv", "fp8"}
+    assert "not comparable to GPU numbers" in cap.out
+    assert "skipped: cpu_b2_q64_p64 / cudnn" in cap.out
+    assert "skipped: cpu_b2_q64_p64 / fa2-varlen: FlashAttention-2 needs a CUDA GPU" in cap.out
+    last = _table_lines(cap.out)
+    assert last[-1].startswith("cpu_fp8_b2_q64 [fp8]")  # the table comes last
+    header = next(line for line in last if line.startswith("workload"))
+    assert "TF/s" in header
     assert md.read_text().count("| cpu_") == len(wl.CPU_WORKLOADS)
+    assert "[24/24] cpu_fp8_b2_q64 fa2-varlen ..." in cap.err  # progress on stderr
 
 
-def test_default_out_json_is_cpu_json(tmp_path, monkeypatch, capsys):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter path")
+def test_cpu_triton_under_the_interpreter_uses_fp16(tmp_path, capsys):
+    from pagedprefill.kernels import launch
+
+    if not launch.INTERPRETED:
+        pytest.skip("TRITON_INTERPRET=1 was not set before pagedprefill was imported")
+    out = tmp_path / "r.json"
+    rc = cli.main([*FAST, "--workloads", "cpu_b2_q64_p64", "--backends", "triton", "--out-json", str(out)])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.out + cap.err
+    (row,) = _rows(out)
+    assert (
+        row["dtype"] == "fp16"
+        and row["data"] == "fp16"
+        and row["ok"] is True
+        and row["served_by"] == "triton"
+    )
+    assert "CPU figures" in cap.out
+
+
+def test_no_file_written_without_an_output_flag(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    for _ in range(2):  # the second run appends
-        assert bench.main(["--device", "cpu", "--workloads", "cpu_page1_b2_q64_p64", "--reps", "2"]) == 0
-    rows = _rows(tmp_path / "bench" / "results" / "cpu.json")
-    assert [r["workload"] for r in rows] == ["cpu_page1_b2_q64_p64"] * 2
+    assert cli.main([*FAST, "--workloads", "cpu_page1_b2_q64_p64"]) == 0
+    assert cli.main([*FAST, "--layers", "1", "--workloads", "cpu_b4_q16"]) == 0
+    assert cli.main([*FAST, "--serving", "2", "--serving-warmup", "1", "--serving-checks", "0"]) == 0
+    assert list(tmp_path.rglob("*")) == []
+    assert "JSON rows" not in capsys.readouterr().out
 
 
-def test_summary_table_ratios_and_geomean():
+def test_out_json_replaced_unless_append(tmp_path, capsys):
+    out = tmp_path / "sub" / "r.json"
+    args = [*FAST, "--workloads", "cpu_page1_b2_q64_p64", "--no-check", "--out-json", str(out)]
+    assert cli.main(args) == 0 and cli.main(args) == 0
+    assert len(_rows(out)) == 1
+    assert cli.main([*args, "--append"]) == 0
+    assert len(_rows(out)) == 2
+
+
+def test_progress_lines_without_tqdm(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # "import tqdm" raises ImportError
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)  # where tqdm would draw a bar
+    rc = cli.main(
+        [
+            *FAST,
+            "--no-check",
+            "--workloads",
+            "cpu_b2_q64_p64,cpu_ragged_b2_q64_p64",
+            "--backends",
+            "torch,auto",
+        ]
+    )
+    assert rc == 0
+    err = capsys.readouterr().err.splitlines()
+    steps = [line for line in err if line.startswith("[")]
+    assert steps == [
+        "[1/4] cpu_b2_q64_p64 torch ...",
+        "[2/4] cpu_b2_q64_p64 auto ...",
+        "[3/4] cpu_ragged_b2_q64_p64 torch ...",
+        "[4/4] cpu_ragged_b2_q64_p64 auto ...",
+    ]
+    p = Progress(1, "x")
+    assert p.bar is None
+
+
+def test_plot_without_matplotlib_fails_before_running(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    ran = []
+    monkeypatch.setattr(sweep, "run_table", lambda *a, **k: ran.append(1) or 0)
+    monkeypatch.setattr(cases, "prefill", lambda **kw: ran.append(1))
+    rc = cli.main([*FAST, "--plot", str(tmp_path / "p.png"), "--out-json", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and not ran
+    assert "matplotlib" in err and "pip install matplotlib" in err
+    assert list(tmp_path.iterdir()) == []  # not even the JSON file was started
+
+
+def test_plot_written_when_matplotlib_is_there(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "p.png"
+    assert cli.main([*FAST, "--no-check", "--workloads", "cpu_b2_q64_p64", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_fa3_missing_is_a_skip_with_the_reason(tmp_path, monkeypatch, capsys):
+    for mod in references.FA3_MODULES:
+        monkeypatch.setitem(sys.modules, mod, None)
+    monkeypatch.setattr(references, "_FA3", {})
+    fn, why = references.fa3_status()
+    assert fn is None
+    assert (
+        "fa3_fwd_interface" in why and "flash_attn_interface" in why and "pip install fa3-fwd==0.0.3" in why
+    )
+    out = tmp_path / "r.json"
+    rc = cli.main(
+        [*FAST, "--workloads", "cpu_b2_q64_p64", "--backends", "torch,fa3-varlen", "--out-json", str(out)]
+    )
+    text = capsys.readouterr().out
+    assert rc == 0  # the benchmark still runs
+    fa3 = next(r for r in _rows(out) if r["backend"] == "fa3-varlen")
+    assert fa3["ms"] is None and "FlashAttention-3 is not importable" in fa3["skipped"]
+    assert "fa3-varlen will be skipped: FlashAttention-3 is not importable" in text
+    assert "skipped: cpu_b2_q64_p64 / fa3-varlen: FlashAttention-3 is not importable" in text
+
+
+def test_references_choose_their_data():
+    assert references.data_for("fa3-varlen", "fp8", "bf16") == "fp8"  # FA3's fp8 path on the fp8 data
+    assert references.data_for("fa3-varlen", "fp8_kv", "bf16") == "bf16"  # no bf16-q / fp8-KV kernel
+    assert references.data_for("fa2-varlen", "fp8", "bf16") == "bf16"
+    assert references.data_for("fa2-varlen", "bf16", "bf16") == "bf16"
+
+
+def test_summary_table_ratios_to_cudnn_and_fa3_and_geomean():
+    base = {"gflop": 10.0, "ok": True, "kind": "bf16", "data": "bf16"}
     results = [
-        {"workload": "a", "backend": "cudnn", "gflop": 10.0, "ms": 2.0, "tflops": 5.0, "ok": True},
-        {"workload": "a", "backend": "triton", "gflop": 10.0, "ms": 1.0, "tflops": 10.0, "ok": True},
-        {"workload": "b", "backend": "cudnn", "gflop": 20.0, "ms": 2.0, "tflops": 10.0, "ok": True},
-        {"workload": "b", "backend": "triton", "gflop": 20.0, "ms": 8.0, "tflops": 2.5, "ok": False},
+        {**base, "workload": "a", "backend": "cudnn", "ms": 2.0, "tflops": 5.0, "host_us": 20.0},
+        {**base, "workload": "a", "backend": "triton", "ms": 1.0, "tflops": 10.0, "host_us": 30.0},
+        {**base, "workload": "a", "backend": "fa3-varlen", "ms": 0.5, "tflops": 20.0, "host_us": 90.0},
+        {
+            **base,
+            "workload": "b",
+            "kind": "fp8",
+            "data": "bf16",
+            "backend": "cudnn",
+            "ms": 2.0,
+            "tflops": 10.0,
+        },
+        {
+            **base,
+            "workload": "b",
+            "kind": "fp8",
+            "data": "fp8",
+            "backend": "triton",
+            "ms": 4.0,
+            "tflops": 5.0,
+        },
+        {
+            **base,
+            "workload": "b",
+            "kind": "fp8",
+            "data": "fp8",
+            "backend": "fa3-varlen",
+            "ms": 1.0,
+            "tflops": 20.0,
+        },
+        {**base, "workload": "c", "backend": "cudnn", "ms": 1.0, "tflops": 10.0},
+        {**base, "workload": "c", "backend": "triton", "ms": 9.0, "tflops": 1.0, "ok": False},
+        {**base, "workload": "c", "backend": "fa3-varlen", "ms": None, "skipped": "FA3 missing"},
     ]
-    headers, rows = bench.summary_table(results, ["cudnn", "triton"])
+    headers, rows = tables.summary_table(results, ["cudnn", "triton", "fa3-varlen"])
     assert headers == [
-        "workload",
-        "GFLOP",
-        "cudnn ms",
-        "cudnn TF/s",
-        "triton ms",
-        "triton TF/s",
-        "triton ×cuDNN",
-    ]
-    assert rows[0][-1] == "2.00" and rows[1][-1] == "0.25"
-    assert "(BAD)" in rows[1][5]
-    assert rows[2][0] == "geomean" and rows[2][-1] == "0.71"  # sqrt(2 * 0.25)
-    text = bench.format_text_table(headers, rows)
-    assert len({len(line) for line in text.splitlines()}) == 1  # aligned
+        ("", "workload"), ("", "GFLOP"), ("cudnn", "TF/s"), ("cudnn", "×FA3"), ("cudnn", "host µs"),
+        ("triton", "TF/s"), ("triton", "×cuDNN"), ("triton", "×FA3"), ("triton", "host µs"),
+        ("fa3-varlen", "TF/s"), ("fa3-varlen", "×cuDNN"), ("fa3-varlen", "host µs"),
+    ]  # fmt: skip
+    a, b, c, g = rows
+    assert a[0] == "a" and a[3] == "0.25" and a[6] == "2.00" and a[7] == "0.50" and a[10] == "4.00"
+    assert b[0] == "b [fp8]" and b[2] == "10.0 (bf16)" and b[5] == "5.0" and b[6] == "0.50" and b[7] == "0.25"
+    assert c[5] == "1.0 FAILED" and c[9] == "skip" and c[7] == "–"
+    assert g[0] == "geomean"
+    assert g[3] == f"{math.sqrt(0.25 * 0.5):.2f}"  # cudnn x FA3 over a and b
+    assert g[6] == "1.00"  # triton x cuDNN: a (2.0) and b (0.5); c failed its check: left out
+    assert g[7] == f"{math.sqrt(0.5 * 0.25):.2f}" and g[10] == f"{math.sqrt(4.0 * 2.0):.2f}"
+    text = tables.format_text_table(headers, rows)
+    lines = text.splitlines()
+    assert lines[0].split() == ["cudnn", "triton", "fa3-varlen"]  # backends above their columns
+    assert len({len(line) for line in lines[1:]}) == 1  # aligned
 
 
 def test_compare_flags_nan_and_errors():
     ref = torch.randn(10, 2, 4)
     lse = torch.randn(10, 2)
-    assert bench.compare(ref.clone(), ref, lse.clone(), lse)["ok"]
+    assert compare(ref.clone(), ref, lse.clone(), lse)["ok"]
     bad = ref.clone()
     bad[3] = float("nan")
-    assert not bench.compare(bad, ref)["ok"]
-    assert not bench.compare(ref * 1.5, ref)["ok"]
+    assert not compare(bad, ref)["ok"]
+    assert not compare(ref * 1.5, ref)["ok"]
+    assert compare(ref * 1.05, ref, rel_tol=0.08)["ok"]
     lse_bad = lse.clone()
     lse_bad[0, 0] += 1.0
-    assert not bench.compare(ref.clone(), ref, lse_bad, lse)["ok"]
+    assert not compare(ref.clone(), ref, lse_bad, lse)["ok"]
     inf = torch.full((2, 2), float("-inf"))
-    assert bench.compare(ref.clone(), ref, inf, inf.clone())["lse_err"] == 0.0
+    assert compare(ref.clone(), ref, inf, inf.clone())["lse_err"] == 0.0
 
 
 def test_first_call_grows_workspace(monkeypatch):
     case = wl.build_case(wl.get_workload("cpu_b2_q64_p64"), "cpu", workspace_bytes=16)
-    real = bench.cudnn_batch_prefill_with_kv_cache
+    real = cases.prefill
     calls = []
 
     def fake(**kw):
@@ -242,80 +429,211 @@ def test_first_call_grows_workspace(monkeypatch):
             )
         return real(**kw)
 
-    monkeypatch.setattr(bench, "cudnn_batch_prefill_with_kv_cache", fake)
-    bench.first_call(case, "torch", say=lambda m: None)
+    monkeypatch.setattr(cases, "prefill", fake)
+    cases.first_call(case, "torch", say=lambda m: None)
     assert calls == [16, 3 * 2**20] and case["workspace_buffer"].numel() == 3 * 2**20
 
 
+def test_a_check_failure_is_loud(tmp_path, monkeypatch, capsys):
+    real = cases.prefill
+
+    def wrong(**kw):
+        out, lse = real(**kw)
+        if kw.get("backend") == "auto":
+            out.mul_(1.5)
+        return out, lse
+
+    monkeypatch.setattr(cases, "prefill", wrong)
+    rc = cli.main([*FAST, "--workloads", "cpu_b2_q64_p64", "--backends", "torch,auto"])
+    text = capsys.readouterr().out
+    assert rc == 1
+    assert "CHECK FAILED: cpu_b2_q64_p64 / auto" in text and "FAILED the correctness check" in text
+    assert "FAILED" in _table_lines(text)[-1]  # the workload's row (no geomean row without cuDNN / FA3)
+
+
 def test_error_in_backend_is_reported_not_fatal(tmp_path, monkeypatch, capsys):
-    real = bench.cudnn_batch_prefill_with_kv_cache
+    real = cases.prefill
 
     def fake(**kw):
         if kw.get("backend") == "auto":
             raise RuntimeError("kernel exploded")
         return real(**kw)
 
-    monkeypatch.setattr(bench, "cudnn_batch_prefill_with_kv_cache", fake)
+    monkeypatch.setattr(cases, "prefill", fake)
     out = tmp_path / "r.json"
-    rc = bench.main(
-        [
-            "--device",
-            "cpu",
-            "--workloads",
-            "cpu_b2_q64_p64",
-            "--backends",
-            "auto,torch",
-            "--out-json",
-            str(out),
-        ]
+    rc = cli.main(
+        [*FAST, "--workloads", "cpu_b2_q64_p64", "--backends", "auto,torch", "--out-json", str(out)]
     )
-    text = capsys.readouterr().out
+    cap = capsys.readouterr()
     assert rc == 1
-    assert "kernel exploded" in text
+    assert "kernel exploded" in cap.out
     rows = _rows(out)
     assert [r["backend"] for r in rows] == ["auto", "torch"]
-    assert next(r for r in rows if r["backend"] == "auto")["error"].startswith("RuntimeError")
+    assert rows[0]["error"].startswith("RuntimeError") and rows[1]["ok"] is True
 
 
-def test_interrupt_prints_partial_table(tmp_path, monkeypatch, capsys):
-    real = bench.run_backend
+def test_interrupt_prints_partial_table(monkeypatch, capsys):
+    real = sweep.run_backend
     n = {"calls": 0}
 
     def fake(*a, **k):
         n["calls"] += 1
         if n["calls"] == 2:
-            raise bench.Interrupted()
+            raise Interrupted()
         return real(*a, **k)
 
-    monkeypatch.setattr(bench, "run_backend", fake)
-    rc = bench.main(["--device", "cpu", "--out-json", str(tmp_path / "r.json"), "--reps", "2"])
+    monkeypatch.setattr(sweep, "run_backend", fake)
+    rc = cli.main([*FAST, "--workloads", "cpu_b2_q64_p64,cpu_page1_b2_q64_p64"])
     text = capsys.readouterr().out
     assert rc == 130
     assert "interrupted" in text
-    assert text.strip().splitlines()[-1].startswith("cpu_b2_q64_p64")
+    assert _table_lines(text)[-1].startswith("cpu_b2_q64_p64")
+
+
+def test_sigterm_prints_partial_table(monkeypatch, capsys):
+    real = sweep.run_backend
+    n = {"calls": 0}
+
+    def fake(*a, **k):
+        n["calls"] += 1
+        if n["calls"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler main installed turns it into Interrupted
+        return real(*a, **k)
+
+    monkeypatch.setattr(sweep, "run_backend", fake)
+    before = signal.getsignal(signal.SIGTERM)
+    rc = cli.main([*FAST, "--no-check", "--workloads", "cpu_b2_q64_p64,cpu_page1_b2_q64_p64"])
+    assert rc == 130
+    assert _table_lines(capsys.readouterr().out)[-1].startswith("cpu_b2_q64_p64")
+    assert signal.getsignal(signal.SIGTERM) is before  # restored
+
+
+def test_bad_arguments_exit_2(capsys):
+    assert cli.main(["--device", "cpu", "--backends", "nope"]) == 2
+    assert cli.main(["--device", "cpu", "--workloads", "nope"]) == 2
+    assert cli.main(["--device", "cpu", "--serving", "2", "--layers", "2"]) == 2
+    assert cli.main(["--device", "cpu", "--serving", "2", "--serving-backends", "fa2-varlen"]) == 2
+    assert cli.main(["--device", "cpu", "--layers", "2", "--plot", "x.png"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown backend" in err and "unknown workload" in err and "--plot" in err
+
+
+def test_list(capsys):
+    assert cli.main(["--list"]) == 0
+    text = capsys.readouterr().out
+    assert "fp8_b2_q8k" in text and "1099.6 GFLOP" in text and "ragged_b32_devoffsets" in text
+
+
+def test_entry_points_are_the_new_main():
+    tomllib = pytest.importorskip("tomllib")
+    scripts = tomllib.loads(Path(__file__).resolve().parents[1].joinpath("pyproject.toml").read_text())[
+        "project"
+    ]["scripts"]
+    assert scripts["pagedprefill-bench"] == "pagedprefill.bench.cli:main"
+    assert scripts["pagedprefill-demo"] == "pagedprefill.demo:main"
+    import pagedprefill.bench
+
+    assert pagedprefill.bench.main is cli.main
+
+
+def test_python_dash_m_entry_point(tmp_path):
+    out = tmp_path / "r.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = ["--device", "cpu", "--workloads", "cpu_ragged_b2_q64_p64", "--reps", "1", "--out-json", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedprefill.bench", *args], capture_output=True, text=True, timeout=120,
+        env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _rows(out)[0]["workload"] == "cpu_ragged_b2_q64_p64"
+    assert "[1/1] cpu_ragged_b2_q64_p64 torch ..." in proc.stderr and "[1/1]" not in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# the layers mode
+# ---------------------------------------------------------------------------------------------
+
+
+def test_layers_mode_cpu(tmp_path, capsys):
+    out = tmp_path / "l.json"
+    rc = cli.main(
+        [*FAST, "--layers", "2", "--workloads", "cpu_b4_q16,cpu_ragged_b3_devoffsets", "--out-json", str(out)]
+    )
+    cap = capsys.readouterr()
+    assert rc == 0, cap.out + cap.err
+    rows = _rows(out)
+    assert [(r["case"], r["api"]) for r in rows] == [
+        ("cpu_b4_q16", "plan.run"), ("cpu_b4_q16", "one-shot"),
+        ("cpu_ragged_b3_devoffsets", "plan.run"), ("cpu_ragged_b3_devoffsets", "one-shot"),
+    ]  # fmt: skip
+    for r in rows:
+        assert r["backend"] == "torch" and r["layers"] == 2 and r["ok"] is True and r["served_by"] == "torch"
+        assert r["host_us"] > 0 and r["wall_us"] > 0 and r["device_us"] is None  # no device time on the CPU
+    lines = _table_lines(cap.out)
+    header = next(line for line in lines if line.startswith("case"))
+    for col in ("host µs/call", "wall µs/layer", "device µs/layer", "wall/device", "TF/s", "check"):
+        assert col in header
+    assert lines[-1].startswith("cpu_ragged_b3_devoffsets") and lines[-1].endswith("ok")
+    assert "[4/4] cpu_ragged_b3_devoffsets torch one-shot ..." in cap.err
+
+
+def test_layers_table_ratios_and_geomean():
+    def row(case, be, api, wall):
+        return {
+            "case": case, "backend": be, "api": api, "host_us": 10.0, "wall_us": wall, "device_us": wall / 2,
+            "wall_over_device": 2.0, "tflops": 1.0, "ok": True, "rel_err": 0.0, "preload_ok": True,
+        }  # fmt: skip
+
+    walls = {"a": (100.0, 50.0, 80.0), "b": (100.0, 200.0, 100.0)}  # cudnn, triton, FA3
+    results = []
+    for case, (c, t, f) in walls.items():
+        results += [row(case, "cudnn", "plan.run", c), row(case, "triton", "plan.run", t)]
+        results.append(row(case, "fa3-varlen", "reference", f))
+    headers, rows = layers.table(results)
+    assert headers[-3:] == ["×cuDNN", "×FA3", "check"]
+    assert rows[1][-3:] == ["2.00", "1.60", "ok"] and rows[4][-3:] == ["0.50", "0.50", "ok"]
+    geo = {tuple(r[1:3]): r[-3:-1] for r in rows if r[0] == "geomean"}
+    assert geo[("triton", "plan.run")] == ["1.00", f"{math.sqrt(1.6 * 0.5):.2f}"]
+    assert geo[("cudnn", "plan.run")] == ["1.00", f"{math.sqrt(0.8 * 1.0):.2f}"]
+
+
+def test_layer_batch_has_distinct_layers_over_one_cache():
+    lb = layers.LayerBatch(
+        layers.known_cases()["cpu_ragged_b3_devoffsets"], 3, torch.device("cpu"), torch.float32, 0
+    )
+    assert len({t.data_ptr() for t in lb.q}) == 3 and len({t.data_ptr() for t in lb.out}) == 3
+    assert not torch.equal(lb.q[0], lb.q[1])
+    kw0, kw2 = lb.layer_kwargs(0), lb.layer_kwargs(2)
+    assert kw0["k_cache"] is kw2["k_cache"] and kw0["batch_offsets_q"] is kw2["batch_offsets_q"]
+    assert kw0["return_lse"] is False and "lse" not in kw0
+    pairs = [("triton", "plan.run"), ("triton", "one-shot"), ("fa3-varlen", "reference")]
+    assert layers.variants(["triton", "fa3-varlen"]) == pairs
+
+
+# ---------------------------------------------------------------------------------------------
+# the serving mode
+# ---------------------------------------------------------------------------------------------
 
 
 def test_serving_lengths_respect_limits():
-    cfg = bench.ServingConfig()
-    steps = bench.serving_lengths(cfg, 200, seed=0)
-    assert steps == bench.serving_lengths(cfg, 200, seed=0)  # seeded
+    cfg = serving.ServingConfig()
+    steps = serving.serving_lengths(cfg, 200, seed=0)
+    assert steps == serving.serving_lengths(cfg, 200, seed=0)  # seeded
     for q_lens, kv_lens in steps:
-        assert 1 <= len(q_lens) <= cfg.batch_max
-        assert sum(q_lens) <= cfg.token_budget
+        assert 1 <= len(q_lens) <= cfg.batch_max and sum(q_lens) <= cfg.token_budget
         assert all(1 <= q <= cfg.q_max for q in q_lens)
         assert all(0 <= k - q <= cfg.prefix_max for q, k in zip(q_lens, kv_lens))
     assert len({len(q) for q, _ in steps}) > 10  # batch sizes vary
-    assert any(k > q for q, k in zip(*steps[0])) or any(k > q for s in steps for q, k in zip(*s))
 
 
 def test_serving_mode_cpu(tmp_path, capsys):
     out = tmp_path / "s.json"
-    rc = bench.main(
+    rc = cli.main(
         [
             "--device",
             "cpu",
             "--serving",
-            "8",
+            "6",
             "--serving-warmup",
             "2",
             "--serving-checks",
@@ -324,66 +642,29 @@ def test_serving_mode_cpu(tmp_path, capsys):
             str(out),
         ]
     )
-    text = capsys.readouterr().out
-    assert rc == 0, text
+    cap = capsys.readouterr()
+    assert rc == 0, cap.out + cap.err
     (row,) = _rows(out)
     assert row["mode"] == "serving" and row["backend"] == "torch"
-    assert row["calls"] == 8 and row["warmup_calls"] == 2
+    assert row["calls"] == 6 and row["warmup_calls"] == 2
     assert row["p50_ms"] > 0 and row["p99_ms"] >= row["p50_ms"] and row["host_p50_ms"] > 0
     assert row["ok"] is True and row["checked_calls"] == 2
-    assert text.strip().splitlines()[-1].startswith("torch")
+    header = next(line for line in _table_lines(cap.out) if line.startswith("backend"))
+    assert "mem warm MiB" in header and "growth MiB" in header
+    assert _table_lines(cap.out)[-1].startswith("torch")
+    assert "[1/1] serving torch ..." in cap.err
 
 
-def test_serving_fixed_max_cpu(tmp_path, capsys):
+def test_serving_backends_flag_and_fixed_max(tmp_path, capsys):
     out = tmp_path / "s.json"
-    args = ["--device", "cpu", "--serving", "4", "--serving-warmup", "1", "--serving-fixed-max"]
-    assert bench.main([*args, "--out-json", str(out)]) == 0
-    assert _rows(out)[0]["ok"] is True
-
-
-def test_python_dash_m_entry_point(tmp_path):
-    out = tmp_path / "r.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pagedprefill.bench",
-            "--device",
-            "cpu",
-            "--workloads",
-            "cpu_ragged_b2_q64_p64",
-            "--reps",
-            "2",
-            "--out-json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert _rows(out)[0]["workload"] == "cpu_ragged_b2_q64_p64"
-
-
-def test_bad_arguments_exit_2(capsys):
-    with pytest.raises(SystemExit) as e:
-        bench.main(["--device", "cpu", "--backends", "nope"])
-    assert e.value.code == 2
-    with pytest.raises(SystemExit) as e:
-        bench.main(["--device", "cpu", "--workloads", "nope"])
-    assert e.value.code == 2
-
-
-def test_gpu_slug():
-    assert bench.gpu_slug("NVIDIA H200") == "h200"
-    assert bench.gpu_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+    args = ["--device", "cpu", "--serving", "3", "--serving-warmup", "1", "--serving-fixed-max"]
+    assert cli.main([*args, "--serving-backends", "torch,auto", "--out-json", str(out)]) == 0
+    rows = _rows(out)
+    assert [r["backend"] for r in rows] == ["torch", "auto"] and all(r["ok"] for r in rows)
 
 
 def test_serving_counts_failing_calls(tmp_path, monkeypatch, capsys):
-    real = bench.cudnn_batch_prefill_with_kv_cache
+    real = cases.prefill
     n = {"calls": 0}
 
     def flaky(**kw):
@@ -392,61 +673,93 @@ def test_serving_counts_failing_calls(tmp_path, monkeypatch, capsys):
             raise RuntimeError("transient failure")
         return real(**kw)
 
-    monkeypatch.setattr(bench, "cudnn_batch_prefill_with_kv_cache", flaky)
+    monkeypatch.setattr(cases, "prefill", flaky)
     out = tmp_path / "s.json"
-    rc = bench.main(["--device", "cpu", "--serving", "6", "--serving-warmup", "1", "--out-json", str(out)])
+    rc = cli.main(["--device", "cpu", "--serving", "6", "--serving-warmup", "1", "--out-json", str(out)])
     text = capsys.readouterr().out
     assert rc == 1
     (row,) = _rows(out)
-    assert row["failed_calls"] >= 1 and row["ok"] is False
-    assert "transient failure" in row["first_error"]
-    assert "calls raised" in text.strip().splitlines()[-1]
+    assert row["failed_calls"] >= 1 and row["ok"] is False and "transient failure" in row["first_error"]
+    assert "calls raised" in _table_lines(text)[-1]
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU smoke tests (skipped without CUDA): every GPU code path on tiny workloads, in seconds
+# GPU smoke tests (skipped without CUDA): every GPU code path on tiny cases, in seconds
 # ---------------------------------------------------------------------------------------------
 
-TINY = "cpu_b2_q64_p64,cpu_ragged_b2_q64_p64,cpu_varlen_b4_noncausal"
+TINY = "cpu_b2_q64_p64,cpu_ragged_b2_q64_p64,cpu_varlen_b4_noncausal,cpu_fp8kv_b2_q64,cpu_fp8_b2_q64"
 
 
 @pytest.mark.gpu
 def test_gpu_bench_smoke(tmp_path, capsys):
     out = tmp_path / "r.json"
-    args = ["--workloads", TINY, "--backends", "cudnn,triton,fa2-varlen,torch", "--reps", "3"]
-    rc = bench.main([*args, "--out-json", str(out), "--markdown", str(tmp_path / "t.md")])
+    args = ["--workloads", TINY, "--backends", "cudnn,triton,auto,fa3-varlen,fa2-varlen,torch", "--reps", "3"]
+    rc = cli.main([*args, "--out-json", str(out), "--markdown", str(tmp_path / "t.md")])
     text = capsys.readouterr().out
     rows = _rows(out)
     assert rc == 0, text
-    assert {r["backend"] for r in rows if r["ms"]} >= {"torch", "fa2-varlen"}
+    assert {r["backend"] for r in rows if r["ms"]} >= {"torch", "triton", "fa2-varlen"}
     for r in rows:
         assert REQUIRED <= set(r)
         if r.get("skipped"):
             continue
-        assert r["ms"] > 0 and r["ok"] is True, r
+        assert r["ms"] > 0 and r["ok"] is True and r["host_us"] > 0, r
         assert r["gpu"] != "cpu" and r["timer"].startswith("cuda-events")
+    fp8 = {r["backend"]: r["data"] for r in rows if r["workload"] == "cpu_fp8_b2_q64" and r["ms"]}
+    assert fp8["triton"] == "fp8" and fp8["fa2-varlen"] == "bf16"
+    if "fa3-varlen" in fp8:
+        assert fp8["fa3-varlen"] == "fp8"
 
 
 @pytest.mark.gpu
 def test_gpu_bench_cuda_graph_smoke(tmp_path, capsys):
     out = tmp_path / "r.json"
-    args = ["--workloads", "cpu_b2_q64_p64", "--backends", "cudnn,triton,fa2-varlen", "--cuda-graph"]
-    rc = bench.main([*args, "--reps", "3", "--out-json", str(out)])
+    args = [
+        "--workloads",
+        "cpu_b2_q64_p64",
+        "--backends",
+        "cudnn,triton,fa3-varlen,fa2-varlen",
+        "--cuda-graph",
+    ]
+    rc = cli.main([*args, "--reps", "3", "--out-json", str(out)])
     text = capsys.readouterr().out
     assert rc == 0, text
     for r in _rows(out):
         assert r["cuda_graph"] is True and r["lengths_on"] == "device", r
-        assert r.get("skipped") or r["ok"] is True, r
+        assert r.get("skipped") or (r["ok"] is True and r["timer"].startswith("cuda-graph replay")), r
+
+
+@pytest.mark.gpu
+def test_gpu_layers_smoke(tmp_path, capsys):
+    out = tmp_path / "l.json"
+    rc = cli.main(
+        [
+            "--layers",
+            "4",
+            "--workloads",
+            "b128_q128,ragged_b32_devoffsets",
+            "--reps",
+            "2",
+            "--out-json",
+            str(out),
+        ]
+    )
+    assert rc == 0, capsys.readouterr().out
+    for r in _rows(out):
+        if r.get("skipped"):
+            continue
+        assert r["ok"] is True and r["device_us"] > 0 and r["wall_us"] > 0 and r["wall_over_device"] > 0.5, r
 
 
 @pytest.mark.gpu
 def test_gpu_serving_smoke(tmp_path, capsys):
     out = tmp_path / "s.json"
     args = ["--serving", "6", "--serving-warmup", "2", "--serving-checks", "1", "--out-json", str(out)]
-    rc = bench.main(args)
+    rc = cli.main(args)
     text = capsys.readouterr().out
     assert rc == 0, text
     for r in _rows(out):
         if r.get("skipped"):
             continue
-        assert r["p50_ms"] > 0 and r["gpu_p50_ms"] > 0 and r["peak_mem_gib"] > 0 and r["ok"] is True, r
+        assert r["p50_ms"] > 0 and r["gpu_p50_ms"] > 0 and r["ok"] is True, r
+        assert r["mem_end_mib"] > 0 and abs(r["mem_growth_mib"]) < 64, r

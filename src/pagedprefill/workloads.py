@@ -6,7 +6,10 @@ The rules are those of the workloads' README (kept beside the copied ``workloads
   ``[qo_len] * batch`` or ``torch.randint(qo_min, qo_max + 1, (batch,), generator=g)``; then the
   prefixes ``[prefix] * batch`` or ``torch.randint(0, prefix_max + 1, (batch,), generator=g)``,
   drawn after the q lengths from the same generator; ``kv_len = q_len + prefix``;
-- data: standard-normal q, K, V; paged K/V (``page_size > 0``) stored NHD
+- data: standard-normal bf16 q, K, V. ``dtype`` ``fp8_kv``: q bf16, K/V stored as e4m3 of
+  ``value / 0.5`` with ``k_scale = v_scale = 0.5``; ``dtype`` ``fp8``: q, K and V all e4m3 that way,
+  ``q_scale = 0.5`` too, output bf16 (the scales are one-element float32 tensors). The bf16 data an
+  fp8 workload was made from is what a system without fp8 runs. Paged K/V (``page_size > 0``) stored NHD
   ``(num_pages, page_size, Hkv, D)`` and passed as the ``.permute(0, 2, 1, 3)`` view, the pages of
   all sequences shuffled by one random permutation, an int32 block table; ``page_size == 0``:
   ragged contiguous K/V ``(total_kv_tokens, Hkv, D)`` with element batch offsets;
@@ -28,22 +31,30 @@ from torch import Tensor
 
 __all__ = [
     "CPU_WORKLOADS",
+    "FP8_DTYPE",
+    "FP8_SCALE",
     "build_case",
     "case_lengths",
+    "data_kind",
     "dense_reference_inputs",
     "flops",
     "get_workload",
     "lengths",
     "load_workloads",
+    "quantize_case",
+    "quantize_fp8",
     "reference_fp64",
     "visible_pairs",
 ]
 
 GPU_WORKSPACE_BYTES = 256 * 2**20
 CPU_WORKSPACE_BYTES = 8 * 2**20
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_SCALE = 0.5  # real value = stored value x 0.5, for q (dtype fp8), K and V (fp8_kv and fp8)
+DATA_KINDS = ("bf16", "fp8_kv", "fp8")
 
 # Tiny workloads for machines without a GPU, derived from the real ones (same rules, same keys):
-# paged with page 16, page 1, ragged K/V, and a variable-length non-causal batch.
+# paged with page 16, page 1, ragged K/V, a variable-length non-causal batch, and both fp8 kinds.
 _CPU_COMMON = {"heads_q": 4, "heads_kv": 2, "head_dim_qk": 64, "head_dim_vo": 64}
 CPU_WORKLOADS: list[dict] = [
     {"name": "cpu_b2_q64_p64", "batch": 2, "qo_len": 64, "prefix": 64, "page_size": 16, "causal": True},
@@ -58,6 +69,24 @@ CPU_WORKLOADS: list[dict] = [
         "seed": 7,
         "page_size": 16,
         "causal": False,
+    },
+    {
+        "name": "cpu_fp8kv_b2_q64",
+        "batch": 2,
+        "qo_len": 64,
+        "prefix": 32,
+        "page_size": 16,
+        "causal": True,
+        "dtype": "fp8_kv",
+    },
+    {
+        "name": "cpu_fp8_b2_q64",
+        "batch": 2,
+        "qo_len": 64,
+        "prefix": 0,
+        "page_size": 16,
+        "causal": True,
+        "dtype": "fp8",
     },
 ]
 for _w in CPU_WORKLOADS:
@@ -79,6 +108,14 @@ def get_workload(name: str) -> dict:
             return dict(w)
     known = [w["name"] for w in load_workloads() + CPU_WORKLOADS]
     raise KeyError(f"unknown workload {name!r}; known: {', '.join(known)}")
+
+
+def data_kind(w: dict) -> str:
+    """The workload's data: ``"bf16"`` (the default), ``"fp8_kv"`` or ``"fp8"``."""
+    kind = w.get("dtype", "bf16")
+    if kind not in DATA_KINDS:
+        raise ValueError(f"workload {w.get('name')!r}: dtype must be one of {DATA_KINDS}, got {kind!r}")
+    return kind
 
 
 def lengths(w: dict) -> tuple[list[int], list[int]]:
@@ -119,7 +156,7 @@ def flops(
     """FLOPs of one call: ``sum over sequences and query heads of 2 * (Dqk + Dvo) * visible pairs``.
 
     Either ``flops(workload)`` or ``flops((q_lens, kv_lens), causal, Hq, Dqk, Dvo)``; with a workload
-    dict, explicit arguments override its fields.
+    dict, explicit arguments override its fields. The count is the same for fp8 and 16-bit data.
     """
     if isinstance(w_or_lens, dict):
         w = w_or_lens
@@ -147,6 +184,48 @@ def _randn(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, dev
     return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
 
 
+def quantize_fp8(x: Tensor, scale: float = FP8_SCALE) -> Tensor:
+    """e4m3 of ``x / scale`` (so that real value = stored value x ``scale``), with ``x``'s strides.
+
+    Dividing by a power of two is exact in every float dtype, so the only rounding is the final
+    conversion to e4m3, from the exact value.
+    """
+    out = torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=FP8_DTYPE, device=x.device)
+    out.copy_(x / scale)
+    return out
+
+
+def quantize_case(case: dict, kind: str, scale: float = FP8_SCALE) -> dict:
+    """The fp8 version of a 16-bit case from :func:`build_case`, as the README builds fp8 workloads.
+
+    ``kind`` ``"fp8_kv"``: q unchanged, ``k_cache`` / ``v_cache`` e4m3 of value / ``scale`` (same
+    layout: the NHD pages stay NHD) with ``k_scale = v_scale = scale``; ``"fp8"``: q quantized too,
+    with ``q_scale = scale``, and a bf16 output buffer. The scales are one-element float32 tensors on
+    q's device. Lengths, offsets, block table and workspace are shared with ``case``; ``out`` and
+    ``lse`` are new buffers.
+    """
+    if kind not in ("fp8_kv", "fp8"):
+        raise ValueError(f"quantize_case: kind must be 'fp8_kv' or 'fp8', got {kind!r}")
+    q = case["q"]
+    dev = q.device
+
+    def one(x: float) -> Tensor:
+        return torch.full((1,), float(x), dtype=torch.float32, device=dev)
+
+    new = dict(case)
+    new["k_cache"] = quantize_fp8(case["k_cache"], scale)
+    new["v_cache"] = quantize_fp8(case["v_cache"], scale)
+    new["k_scale"], new["v_scale"] = one(scale), one(scale)
+    out_dtype = q.dtype
+    if kind == "fp8":
+        new["q"] = quantize_fp8(q, scale)
+        new["q_scale"] = one(scale)
+        out_dtype = torch.bfloat16  # the library's default output for fp8 q (o_data_type None)
+    new["out"] = torch.empty(tuple(case["out"].shape), dtype=out_dtype, device=dev)
+    new["lse"] = torch.full_like(case["lse"], float("-inf"))
+    return new
+
+
 def build_case(
     w: dict,
     device: str | torch.device,
@@ -156,22 +235,28 @@ def build_case(
     lens_on_device: bool = False,
     workspace_bytes: int | None = None,
     lens: tuple[Sequence[int], Sequence[int]] | None = None,
+    fp8: bool = True,
 ) -> dict:
     """Keyword arguments of one call of the public function for workload ``w``.
 
-    ``lens_on_device=False`` (default): lengths on the CPU (the library validates them without a
-    device sync); True: lengths on the device and ``is_cuda_graph_compatible=True`` (the CUDA-graph
-    serving setup). ``seed`` seeds the data and the page permutation (the lengths come from the
-    workload's own seed). ``lens`` overrides the workload's lengths.
+    ``dtype``: the 16-bit (or float32) data type of q, K and V (bf16 as the README says; fp16 / fp32
+    where a backend needs them, e.g. Triton's CPU interpreter). ``fp8=True`` (default): a workload of
+    ``dtype`` ``fp8_kv`` / ``fp8`` is returned quantized from that data (:func:`quantize_case`);
+    ``False``: its 16-bit data. ``lens_on_device=False`` (default): lengths on the CPU (the library
+    validates them without a device sync); True: lengths on the device and
+    ``is_cuda_graph_compatible=True`` (the CUDA-graph serving setup). ``seed`` seeds the data and the
+    page permutation (the lengths come from the workload's own seed). ``lens`` overrides the
+    workload's lengths.
 
     Returns the kwargs: ``q, k_cache, v_cache, scale, workspace_buffer, max_token_per_sequence,
     max_sequence_kv, actual_seq_lens_q, actual_seq_lens_kv, causal, return_lse=True, out, lse,
-    is_cuda_graph_compatible`` and ``block_tables`` (paged) or ``batch_offsets_k/_v`` (ragged,
-    in elements).
+    is_cuda_graph_compatible``, ``block_tables`` (paged) or ``batch_offsets_k/_v`` (ragged, in
+    elements), and ``q_scale`` / ``k_scale`` / ``v_scale`` for fp8 data.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    kind = data_kind(w)
     q_lens, kv_lens = lengths(w) if lens is None else ([int(x) for x in lens[0]], [int(x) for x in lens[1]])
     bsz = len(q_lens)
     hq, hkv = int(w["heads_q"]), int(w["heads_kv"])
@@ -235,6 +320,8 @@ def build_case(
         lse=torch.full((bsz, max_q, hq), float("-inf"), dtype=torch.float32, device=device),
         is_cuda_graph_compatible=bool(lens_on_device and device.type == "cuda"),
     )
+    if fp8 and kind != "bf16":
+        return quantize_case(kw, kind)
     return kw
 
 
@@ -246,13 +333,25 @@ def case_lengths(case: dict) -> tuple[list[int], list[int]]:
     )
 
 
+def _bytes(t: Tensor) -> Tensor:
+    """An fp8 tensor as uint8 (same strides): gathers and copies need not support fp8 dtypes."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+
+
+def _scale_value(s: object) -> float | None:
+    if s is None:
+        return None
+    return float(s.reshape(-1)[0]) if isinstance(s, Tensor) else float(s)
+
+
 def dense_reference_inputs(case: dict) -> dict:
     """The case's data stored contiguously, for outside (non-paged) references.
 
     Returns ``q (total_q, Hq, Dqk)``, ``k (total_kv, Hkv, Dqk)``, ``v (total_kv, Hkv, Dvo)`` (all
-    contiguous, on the case's device), ``cu_seqlens_q`` / ``cu_seqlens_k`` ((B+1,) int32 on that
-    device), ``max_q``, ``max_k``, ``scale``, ``causal``, ``q_lens``, ``kv_lens``. Paged K/V are
-    gathered page by page through the block table.
+    contiguous, on the case's device, in the case's dtypes, fp8 included), ``cu_seqlens_q`` /
+    ``cu_seqlens_k`` ((B+1,) int32 on that device), ``max_q``, ``max_k``, ``scale``, ``causal``,
+    ``q_lens``, ``kv_lens`` and ``q_scale`` / ``k_scale`` / ``v_scale`` (floats, None when the
+    tensor is not scaled). Paged K/V are gathered page by page through the block table.
     """
     q_lens, kv_lens = case_lengths(case)
     k_cache, v_cache = case["k_cache"], case["v_cache"]
@@ -267,7 +366,7 @@ def dense_reference_inputs(case: dict) -> dict:
                 continue
             pages = table[b, : -(-n // page)]
             for cache, acc in ((k_cache, ks), (v_cache, vs)):
-                seq = cache.index_select(0, pages)  # (n_pages, Hkv, page, D)
+                seq = _bytes(cache).index_select(0, pages)  # (n_pages, Hkv, page, D)
                 acc.append(seq.permute(0, 2, 1, 3).reshape(-1, cache.shape[1], cache.shape[3])[:n])
     else:
 
@@ -288,12 +387,12 @@ def dense_reference_inputs(case: dict) -> dict:
         v_st = token_starts("batch_offsets_v", v_cache.shape[1] * v_cache.shape[2])
         for b, n in enumerate(kv_lens):
             if n:
-                ks.append(k_cache[k_st[b] : k_st[b] + n])
-                vs.append(v_cache[v_st[b] : v_st[b] + n])
+                ks.append(_bytes(k_cache)[k_st[b] : k_st[b] + n])
+                vs.append(_bytes(v_cache)[v_st[b] : v_st[b] + n])
     hkv = k_cache.shape[1]
     if ks:
-        k = torch.cat(ks).contiguous()
-        v = torch.cat(vs).contiguous()
+        k = torch.cat(ks).contiguous().view(k_cache.dtype)
+        v = torch.cat(vs).contiguous().view(v_cache.dtype)
     else:
         k = k_cache.new_empty((0, hkv, k_cache.shape[-1]))
         v = v_cache.new_empty((0, hkv, v_cache.shape[-1]))
@@ -305,8 +404,9 @@ def dense_reference_inputs(case: dict) -> dict:
         return torch.tensor(acc, dtype=torch.int32, device=device)
 
     total_q = sum(q_lens)
+    q = case["q"][:total_q]
     return {
-        "q": case["q"][:total_q].contiguous(),
+        "q": _bytes(q).contiguous().view(q.dtype),
         "k": k,
         "v": v,
         "cu_seqlens_q": cu(q_lens),
@@ -317,6 +417,9 @@ def dense_reference_inputs(case: dict) -> dict:
         "causal": bool(case["causal"]),
         "q_lens": q_lens,
         "kv_lens": kv_lens,
+        "q_scale": _scale_value(case.get("q_scale")),
+        "k_scale": _scale_value(case.get("k_scale")),
+        "v_scale": _scale_value(case.get("v_scale")),
     }
 
 
@@ -324,11 +427,16 @@ def reference_fp64(dense: dict) -> tuple[Tensor, list[Tensor]]:
     """Float64 attention on :func:`dense_reference_inputs`' data (CPU; meant for small cases).
 
     Returns ``out`` (total_q, Hq, Dvo) float64 and, per sequence, its lse (q_len, Hq) float64.
-    Independent of the library: explicit mask, softmax and GQA head mapping.
+    Independent of the library: explicit mask, softmax and GQA head mapping; fp8 data is multiplied
+    by its scale (real value = stored value x scale).
     """
-    q = dense["q"].detach().cpu().double()
-    k = dense["k"].detach().cpu().double()
-    v = dense["v"].detach().cpu().double()
+
+    def real(name: str) -> Tensor:
+        x = dense[name].detach().cpu().double()
+        s = dense.get(f"{name}_scale")
+        return x * s if s is not None else x
+
+    q, k, v = real("q"), real("k"), real("v")
     hq, hkv = q.shape[1], k.shape[1]
     group = hq // hkv
     out = torch.zeros((q.shape[0], hq, v.shape[-1]), dtype=torch.float64)

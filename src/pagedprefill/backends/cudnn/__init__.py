@@ -210,26 +210,6 @@ class CudnnPlan:
             prepare.fill_empty_rows(plan.spec, plan.consts, t.out, t.lse, t.sinks, fx)
 
 
-def bare_graph(batch_plan: CudnnPlan, t: CallTensors):
-    """For benchmarks: a callable that executes the built graph with the operands bound once, i.e. what
-    a call costs without any per-call work of this library (``t`` must have been run once)."""
-    plan = batch_plan.graph
-    views = batch_plan.views(t.scratch)
-    ops = batch_plan._operands(t, views)
-    dev = graph.device_index(batch_plan.batch.device)
-    h = graph.handle(dev)
-    if plan.binding == "tensors":
-        pack, ws = {tn: ops[n] for n, tn in plan.tensors.items()}, views.workspace
-    else:
-        pack, ws = {tn: ops[n].data_ptr() for n, tn in plan.tensors.items()}, views.workspace.data_ptr()
-
-    def execute() -> None:
-        graph.cudnn_module().set_stream(h, graph.current_stream(dev))
-        plan.graph.execute(pack, ws, handle=h)
-
-    return execute
-
-
 def clear_graph_cache() -> None:
     """Forget every built graph (rebuilt on demand). Not while a captured CUDA graph replays one."""
     graph.clear()

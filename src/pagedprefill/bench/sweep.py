@@ -1,0 +1,306 @@
+"""Table mode: every workload x backend, side by side in one run.
+
+For each workload the case is built once (:class:`~pagedprefill.bench.cases.Case`). For each backend
+the first call (graph builds, compilation) is made outside the timing, the output is checked once
+against a reference (:mod:`~pagedprefill.bench.checks`), then the call is timed
+(:mod:`~pagedprefill.bench.timing`). The outside systems (:mod:`~pagedprefill.bench.references`) run
+the same batch stored contiguously. On an fp8 workload each system runs the fp8 data when it has a
+kernel for it, else the 16-bit data it was made from; the row says which (``data``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+
+import pagedprefill
+from pagedprefill import workloads as wl
+
+from . import cases, checks, references, tables, timing
+from .common import (
+    CPU_NOTE,
+    DTYPES,
+    Interrupted,
+    Progress,
+    Skip,
+    cuda_healthy,
+    fmt,
+    say,
+    short,
+    sync,
+)
+from .references import FA2, FA3, REFERENCES
+
+
+def _capture(fn: Callable, backend: str, say_: Callable[[str], None]) -> tuple[Callable, bool]:
+    """``fn`` captured in a CUDA graph (its replay), or ``fn`` itself for the torch backend."""
+    if backend == "torch":
+        say_("  torch: cannot be captured in a CUDA graph; timed eagerly")
+        return fn, False
+    try:
+        return timing.capture_cuda_graph(fn), True
+    except Exception as e:
+        if not cuda_healthy():
+            raise
+        raise RuntimeError(f"CUDA graph capture failed: {short(e)}") from e
+
+
+def run_backend(case: cases.Case, backend: str, args: argparse.Namespace, progress: Progress) -> dict:
+    """Warm up, check and time ``backend`` on ``case``: a result dict (``ms`` None when it did not
+    run). Raises :class:`Skip` when the backend cannot run the case here."""
+    device = case.device
+    res: dict = {"ms": None, "ok": None, "max_err": None, "rel_err": None, "lse_err": None}
+    if backend in REFERENCES:
+        data = references.data_for(backend, case.kind, case.wide)
+        dense = case.dense(data)
+        fn = references.reference_call(backend, dense)
+        t0 = time.perf_counter()
+        try:
+            fn()
+            sync(device)
+        except Exception as e:
+            if device.type == "cuda" and not cuda_healthy():
+                raise
+            raise Skip(f"{backend} failed on this case: {short(e)}", "error") from e
+        res["first_call_s"] = time.perf_counter() - t0
+        served_by, kwargs = backend, None
+    else:
+        data = case.kind
+        kwargs = case.kwargs(data)
+        try:
+            res["first_call_s"] = cases.first_call(kwargs, backend, progress.write)
+        except Skip as s:
+            if s.kind != "unsupported" or not case.fp8:
+                raise
+            # no fp8 path for this call (cuDNN refuses fp8 attention before Blackwell): the 16-bit
+            # data, as the README has a system without fp8 do
+            progress.write(f"  {backend}: {s}; running the {case.wide} data instead")
+            res["fp8_skipped"] = str(s)
+            data = case.wide
+            kwargs = case.kwargs(data)
+            res["first_call_s"] = cases.first_call(kwargs, backend, progress.write)
+        served_by = pagedprefill.last_backend()
+        fn = cases.library_call(kwargs, backend)
+    res["data"], res["served_by"] = data, served_by
+    graph = False
+    if args.cuda_graph and device.type == "cuda":
+        fn, graph = _capture(fn, backend, progress.write)
+    if not args.no_check:
+        ref = case.reference(data)
+        if kwargs is None:
+            out, _ = fn()
+            sync(device)
+            tol = checks.rel_tol_for(case.dense(data)["q"], fp8_probabilities=True)
+            err = checks.compare(out, ref["out"], rel_tol=tol)
+            del out
+        else:
+            kwargs["out"].fill_(float("nan"))
+            kwargs["lse"].fill_(float("nan"))
+            out, lse = fn()
+            sync(device)
+            err = checks.check_library_output(kwargs, out, lse, ref, served_by)
+        res.update(err)
+    if device.type == "cuda":
+        res["host_us"] = timing.host_time_ms(fn) * 1e3
+        cfg = timing.TimingConfig(args.reps, args.warmup_ms, args.rep_ms, args.timer)
+        ms, n, timer = timing.time_gpu(fn, cfg, progress.write)
+        timer = f"cuda-graph replay, {timer}" if graph else timer
+    else:
+        ms, n = timing.time_cpu(fn, args.reps)
+        timer = "perf_counter"
+    res.update(ms=ms, reps=n, timer=timer)
+    return res
+
+
+def default_backends(device: torch.device) -> list[str]:
+    if device.type != "cuda":
+        return ["torch"]
+    return ["cudnn", "triton", "auto", FA3, FA2]
+
+
+def _row_base(name: str, be: str, args: argparse.Namespace, env: dict) -> dict:
+    w = wl.get_workload(name)
+    q_lens, kv_lens = wl.lengths(w)
+    return {
+        "mode": "bench",
+        "workload": name,
+        "backend": be,
+        "kind": wl.data_kind(w) if wl.data_kind(w) != "bf16" else args.dtype,
+        "data": None,
+        "gflop": round(wl.flops(w) / 1e9, 3),
+        "batch": len(q_lens),
+        "total_q": sum(q_lens),
+        "total_kv": sum(kv_lens),
+        "dtype": args.dtype,
+        "lengths_on": "device" if args.device_lengths else "cpu",
+        "cuda_graph": bool(args.cuda_graph),
+        **env,
+        "ms": None,
+        "tflops": None,
+        "ok": None,
+        "max_err": None,
+    }
+
+
+def _result_line(name: str, be: str, row: dict) -> str:
+    check = ""
+    if row.get("ok") is not None:
+        check = (
+            f" | {'ok' if row['ok'] else 'CHECK FAILED'} rel {row['rel_err']:.2e} (tol {row['rel_tol']:g})"
+        )
+        if row.get("lse_err") is not None:
+            check += f" lse {row['lse_err']:.2e}"
+    served = f" -> {row['served_by']}" if be == "auto" and row.get("served_by") else ""
+    host = f", host {row['host_us']:.0f} µs" if row.get("host_us") is not None else ""
+    return (
+        f"  {name} / {be}{served} on the {row['data']} data: {row['ms']:.4f} ms, "
+        f"{fmt(row['tflops'], 1)} TFLOP/s{host} (first call {row['first_call_s']:.2f} s){check}"
+    )
+
+
+def run_table(args: argparse.Namespace, device: torch.device, env: dict, rows_out: tables.JsonRows) -> int:
+    """Table mode (see the module docstring); returns the exit status (0, 1 on a failed check or an
+    error, 130 when interrupted)."""
+    names, backends = args.workload_names, args.backend_names
+    dtype = DTYPES[args.dtype]
+    results: list[dict] = []
+    interrupted = False
+    if device.type == "cpu":
+        say(f"== {CPU_NOTE}")
+    say(
+        f"== pagedprefill-bench on {env['gpu']} | torch {env['torch']} | triton {env['triton']} | "
+        f"cudnn-frontend {env['cudnn']} (cuDNN {env['cudnn_backend']}) | {args.dtype} | lengths on "
+        f"{'device' if args.device_lengths else 'CPU'} | "
+        f"{'CUDA-graph replays' if args.cuda_graph else 'eager calls'}"
+    )
+    say(f"== workloads: {', '.join(names)}; backends: {', '.join(backends)}")
+    if FA3 in backends:
+        fn, about = references.fa3_status()
+        say(f"== {FA3}: {about}" if fn is not None else f"== {FA3} will be skipped: {about}")
+    progress = Progress(len(names) * len(backends), "bench")
+    broken = False
+    try:
+        for name in names:
+            w = wl.get_workload(name)
+            case = None
+            try:
+                case = cases.Case(w, device, dtype, args.seed, args.device_lengths)
+            except Exception as e:
+                progress.write(f"{name}: could not build the case: {short(e)}")
+            for be in backends:
+                progress.step(name, be)
+                row = _row_base(name, be, args, env)
+                if case is None or broken:
+                    row["skipped"] = "case not built" if case is None else "CUDA context broken earlier"
+                    progress.write(f"  {name} / {be}: skipped ({row['skipped']})")
+                else:
+                    try:
+                        res = run_backend(case, be, args, progress)
+                        row.update(res)
+                        row["tflops"] = case.gflop / res["ms"] if res["ms"] else None
+                        progress.write(_result_line(name, be, row))
+                    except Skip as s:
+                        row["skipped"] = str(s)
+                        progress.write(f"  {name} / {be}: skipped ({s})")
+                    except torch.cuda.OutOfMemoryError as e:
+                        row["error"] = short(e)
+                        progress.write(f"  {name} / {be}: OUT OF MEMORY ({short(e)[:200]})")
+                        gc.collect()
+                        torch.cuda.empty_cache()
+                    except Exception as e:
+                        row["error"] = short(e)
+                        progress.write(f"  {name} / {be}: ERROR {short(e)}")
+                        progress.write("    " + "    ".join(traceback.format_exc().splitlines(True)[-6:]))
+                        if device.type == "cuda" and not cuda_healthy():
+                            broken = True
+                            progress.write(
+                                "  !! the CUDA context is broken; the remaining GPU runs are skipped"
+                            )
+                rows_out.write(row)
+                results.append(row)
+            del case
+            gc.collect()
+            if device.type == "cuda" and not broken:
+                torch.cuda.empty_cache()
+    except (Interrupted, KeyboardInterrupt):
+        interrupted = True
+    finally:
+        progress.close()
+    return report(results, backends, args, device, env, interrupted)
+
+
+def report(
+    results: list[dict], backends: list[str], args: argparse.Namespace, device: torch.device, env: dict,
+    interrupted: bool,
+) -> int:  # fmt: skip
+    """Print the summary (skips, errors, the table last) and write ``--markdown`` / ``--plot``."""
+    if interrupted:
+        say("== interrupted: partial results below")
+    note_cpu = CPU_NOTE if device.type == "cpu" else None
+    mode = (
+        "CUDA-graph replays"
+        if args.cuda_graph
+        else f"eager calls, lengths on the {'device' if args.device_lengths else 'CPU'}"
+    )
+    failed = [r for r in results if r.get("ok") is False]
+    errors = [r for r in results if r.get("error")]
+    notes = []
+    for r in results:
+        if r.get("skipped"):
+            notes.append(f"skipped: {r['workload']} / {r['backend']}: {r['skipped']}")
+        if r.get("fp8_skipped"):
+            notes.append(f"{r['workload']} / {r['backend']}: ran the {r['data']} data ({r['fp8_skipped']})")
+        if r.get("error"):
+            notes.append(f"error: {r['workload']} / {r['backend']}: {r['error']}")
+    for r in failed:
+        notes.append(
+            f"CHECK FAILED: {r['workload']} / {r['backend']} on the {r['data']} data: relative error "
+            f"{r['rel_err']:.3e} (tolerance {r['rel_tol']:g})"
+            + (f", lse error {r['lse_err']:.3e}" if r.get("lse_err") is not None else "")
+        )
+    legend = [
+        "TF/s: FLOPs / median time (README formula); ×cuDNN / ×FA3: that system's time / this one's (> 1: "
+        "faster); host µs: host time per call, calls queued without a sync",
+        "(bf16): the run used the bf16 data of an fp8 workload (no fp8 kernel for that call); FAILED: the "
+        "output differs from the reference beyond tolerance (excluded from the geomean)",
+    ]
+    if FA2 in backends or FA3 in backends:
+        legend.append(f"{FA3} / {FA2}: outside references on the same batch stored contiguously (no paging)")
+    headers, rows = tables.summary_table(results, backends)
+    title = (
+        f"{env['gpu']} | torch {env['torch']} | triton {env['triton']} | cudnn-frontend {env['cudnn']} "
+        f"| cuDNN {env['cudnn_backend']} | FA3 {env.get('fa3') or '–'} | {env['date']} | {args.dtype} "
+        f"| {mode}"
+    )
+    if args.markdown:
+        md_headers, md_rows = tables.summary_table(results, backends, markdown=True)
+        md_title = (
+            (f"_{note_cpu}_\n\n" if note_cpu else "")
+            + title
+            + ". Median time per call "
+            + ("(wall clock)." if device.type == "cpu" else f"(L2 flushed; timer {args.timer}).")
+        )
+        tables.write_markdown(args.markdown, md_title, md_headers, md_rows, legend + notes)
+        say(f"== wrote {args.markdown}")
+    if args.plot:
+        try:
+            tables.write_plot(args.plot, results, backends, title + (f"\n{note_cpu}" if note_cpu else ""))
+        except Exception as e:
+            say(f"== could not write the plot {args.plot}: {short(e)}")
+    for line in notes:
+        say(line)
+    say()
+    if note_cpu:
+        say(f"== {note_cpu}")
+    say(f"== {title}")
+    for line in legend:
+        say(f"   {line}")
+    if failed or errors:
+        say(f"!! {len(failed)} run(s) FAILED the correctness check, {len(errors)} raised: see above")
+    say(tables.format_text_table(headers, rows))
+    return 130 if interrupted else (1 if failed or errors else 0)
