@@ -65,13 +65,25 @@ def make(batch, q_len, hq, hkv, d, page=16, seed=0):
     lens = torch.full((batch,), q_len, dtype=torch.int32)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     call = dict(
-        q=q, k_cache=k.permute(0, 2, 1, 3), v_cache=v.permute(0, 2, 1, 3), scale=1 / math.sqrt(d),
-        workspace_buffer=ws, max_token_per_sequence=q_len, max_sequence_kv=kv_len, actual_seq_lens_q=lens,
-        actual_seq_lens_kv=lens, block_tables=table, causal=True, return_lse=False,
+        q=q,
+        k_cache=k.permute(0, 2, 1, 3),
+        v_cache=v.permute(0, 2, 1, 3),
+        scale=1 / math.sqrt(d),
+        workspace_buffer=ws,
+        max_token_per_sequence=q_len,
+        max_sequence_kv=kv_len,
+        actual_seq_lens_q=lens,
+        actual_seq_lens_kv=lens,
+        block_tables=table,
+        causal=True,
+        return_lse=False,
         out=torch.empty(batch * q_len, hq, d, device="cuda", dtype=torch.bfloat16),
-    )  # fmt: skip
-    dense = (q, k[perm.long().cuda()].reshape(batch, per * page, hkv, d)[:, :kv_len].reshape(-1, hkv, d),
-             v[perm.long().cuda()].reshape(batch, per * page, hkv, d)[:, :kv_len].reshape(-1, hkv, d))  # fmt: skip
+    )
+    dense = (
+        q,
+        k[perm.long().cuda()].reshape(batch, per * page, hkv, d)[:, :kv_len].reshape(-1, hkv, d),
+        v[perm.long().cuda()].reshape(batch, per * page, hkv, d)[:, :kv_len].reshape(-1, hkv, d),
+    )
     return call, dense
 
 
@@ -120,7 +132,13 @@ def main() -> int:
     add("window 4096", "1 x 32k, 32/8, D128", "cudnn, window 4096", ours(call, "cudnn", window_left=4096), win)
     if fa3_fn is not None:
         add("window 4096", "1 x 32k, 32/8, D128", "fa3-varlen, full causal", run_fa3(fa3_fn, dense, b, n), full)
-        add("window 4096", "1 x 32k, 32/8, D128", "fa3-varlen, window 4096", run_fa3(fa3_fn, dense, b, n, window=4096), win)
+        add(
+            "window 4096",
+            "1 x 32k, 32/8, D128",
+            "fa3-varlen, window 4096",
+            run_fa3(fa3_fn, dense, b, n, window=4096),
+            win,
+        )
     del call, dense
     # 2. soft-cap 50, Gemma-shaped (16/8 heads, D 256)
     b, n, hq, hkv, d = 4, 4096, 16, 8, 256
@@ -149,11 +167,23 @@ def main() -> int:
     fw = 2 * 2 * d * hq * pairs(n, n, 128) * b
     add("sinks + window 128", "4 x 4k, 64/8, D64", "triton, plain causal", ours(call), f)
     add("sinks + window 128", "4 x 4k, 64/8, D64", "triton, window 128", ours(call, window_left=128), fw)
-    add("sinks + window 128", "4 x 4k, 64/8, D64", "triton, sinks + window 128", ours(call, window_left=128, sinks=sinks), fw)
+    add(
+        "sinks + window 128",
+        "4 x 4k, 64/8, D64",
+        "triton, sinks + window 128",
+        ours(call, window_left=128, sinks=sinks),
+        fw,
+    )
     add("sinks + window 128", "4 x 4k, 64/8, D64", "triton, sinks (no window)", ours(call, sinks=sinks), f)
     if fa3_fn is not None:
         add("sinks + window 128", "4 x 4k, 64/8, D64", "fa3-varlen, plain causal", run_fa3(fa3_fn, dense, b, n), f)
-        add("sinks + window 128", "4 x 4k, 64/8, D64", "fa3-varlen, window 128", run_fa3(fa3_fn, dense, b, n, window=128), fw)
+        add(
+            "sinks + window 128",
+            "4 x 4k, 64/8, D64",
+            "fa3-varlen, window 128",
+            run_fa3(fa3_fn, dense, b, n, window=128),
+            fw,
+        )
     del call, dense
     # 4. merge_state against the copy bandwidth
     t, h, d = 65536, 32, 128
@@ -165,8 +195,16 @@ def main() -> int:
     cms = timed(lambda: dst.copy_(va))
     copy_bw = 2 * va.numel() * 2 / cms / 1e6  # GB/s (ms -> s: x1e3, B -> GB: /1e9)
     merge_bw = moved / ms / 1e6
-    rows.append(("merge_state", "64k x 32 x 128 bf16", "triton", f"{merge_bw:.0f} GB/s", f"{ms:.3f}",
-                 f"{merge_bw / copy_bw:.0%} of the copy bandwidth ({copy_bw:.0f} GB/s, same run)"))  # fmt: skip
+    rows.append(
+        (
+            "merge_state",
+            "64k x 32 x 128 bf16",
+            "triton",
+            f"{merge_bw:.0f} GB/s",
+            f"{ms:.3f}",
+            f"{merge_bw / copy_bw:.0%} of the copy bandwidth ({copy_bw:.0f} GB/s, same run)",
+        )
+    )
     print(rows[-1], flush=True)
     lines = ["| variant | shape | system | TFLOP/s | ms | note |", "|---|---|---|---|---|---|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]

@@ -9,7 +9,8 @@
 #   layers    a serving engine's eager step of 32 layers (plan once, run per layer)
 #   serving   a 10,000-call serving loop per backend: latency, builds, device memory growth
 #   variants  scripts/bench_variants.py: window, soft-cap, sinks, merge_state
-# Knobs: TESTS (test paths/ids, default tests), PYTEST_ARGS, TEST_S (tests' time limit), WORKERS, BENCH_ARGS, SERVING_N, TAG (file prefix).
+# Knobs: TESTS (test paths/ids, default tests), PYTEST_ARGS, WORKERS, BENCH_ARGS, SERVING_N, TAG (file
+# prefix); time limits in seconds: TEST_S, MEMCHECK_S, BENCH_S, SERVING_S, VARIANTS_S.
 # Wheels (.whl/, carried): nvidia-cudnn-frontend, fa3-fwd, pytest-xdist + execnet.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -67,12 +68,12 @@ for s in $steps; do
       echo "rc $?"
       cat "$OUT/$TAG-layers.md" 2>/dev/null || tail -20 "$OUT/$TAG-layers.log" ;;
     serving)
-      timeout 400 python3 -m pagedprefill.bench --serving "${SERVING_N:-10000}" --serving-backends cudnn,triton,auto \
+      timeout "${SERVING_S:-400}" python3 -m pagedprefill.bench --serving "${SERVING_N:-10000}" --serving-backends cudnn,triton,auto \
         --out-json "$OUT/$TAG-serving.jsonl" --markdown "$OUT/$TAG-serving.md" >"$OUT/$TAG-serving.log" 2>&1
       echo "rc $?"
       cat "$OUT/$TAG-serving.md" 2>/dev/null || tail -20 "$OUT/$TAG-serving.log" ;;
     variants)
-      timeout 300 python3 scripts/bench_variants.py --out "$OUT/$TAG-variants.md" >"$OUT/$TAG-variants.log" 2>&1
+      timeout "${VARIANTS_S:-300}" python3 scripts/bench_variants.py --out "$OUT/$TAG-variants.md" >"$OUT/$TAG-variants.log" 2>&1
       echo "rc $?"
       cat "$OUT/$TAG-variants.md" 2>/dev/null || tail -20 "$OUT/$TAG-variants.log" ;;
     *) echo "unknown step $s" ;;

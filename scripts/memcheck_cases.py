@@ -41,14 +41,34 @@ def main() -> int:
         ("hopper paged16 tma", dict(dqk=128, page_size=16, dtype=BF16), "triton", None),
         ("hopper ragged dqk192", dict(dqk=192, dvo=128, page_size=0, dtype=BF16), "triton", None),
         ("hopper page1 cp.async gqa3", dict(dqk=64, page_size=1, dtype=F16, hq=6, hkv=2), "triton", None),
-        ("hopper window softcap sinks", dict(dqk=128, page_size=16, dtype=BF16, window_left=40,
-                                             logits_soft_cap=30.0, sinks=True), "triton", None),  # fmt: skip
+        (
+            "hopper window softcap sinks",
+            dict(dqk=128, page_size=16, dtype=BF16, window_left=40, logits_soft_cap=30.0, sinks=True),
+            "triton",
+            None,
+        ),
         ("fa2 d96 fp8kv", dict(dqk=96, page_size=16, dtype=BF16, kv_dtype=E4M3), "triton", None),
         ("fa2 d256 fp8", dict(dqk=256, page_size=0, dtype=E4M3, kv_dtype=E4M3), "triton", None),
-        ("fa2 split window sinks", dict(dqk=128, page_size=16, dtype=BF16, window_left=64, sinks=True), "triton",
-         dict(num_splits=3, hopper=0)),  # fmt: skip
-        ("device lengths + offsets", dict(dqk=128, page_size=16, dtype=BF16, lens_on_device=True,
-                                          offsets="elements", gaps=True, lse_layout="packed"), "triton", None),  # fmt: skip
+        (
+            "fa2 split window sinks",
+            dict(dqk=128, page_size=16, dtype=BF16, window_left=64, sinks=True),
+            "triton",
+            dict(num_splits=3, hopper=0),
+        ),
+        (
+            "device lengths + offsets",
+            dict(
+                dqk=128,
+                page_size=16,
+                dtype=BF16,
+                lens_on_device=True,
+                offsets="elements",
+                gaps=True,
+                lse_layout="packed",
+            ),
+            "triton",
+            None,
+        ),
         ("cudnn paged", dict(dqk=128, page_size=16, dtype=BF16), "cudnn", None),
         ("cudnn ragged device lengths", dict(dqk=128, page_size=0, dtype=BF16, lens_on_device=True), "cudnn", None),
         ("cudnn empty operand", dict(dqk=128, page_size=0, dtype=BF16, lens_q=[7], lens_kv=[0]), "cudnn", None),

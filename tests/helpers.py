@@ -50,12 +50,30 @@ def planned(case, backend: str = "triton", **override):
     names = ("q_scale", "k_scale", "v_scale")
     offs = tuple(kw.get(f"batch_offsets_{n}") for n in ("q", "o", "k", "v", "stats"))
     return api._plan_call(
-        kw["q"], kw["k_cache"], kw["v_cache"], kw["scale"], kw["workspace_buffer"], kw["max_token_per_sequence"],
-        kw["max_sequence_kv"], kw["actual_seq_lens_q"], kw["actual_seq_lens_kv"], kw.get("block_tables"),
-        kw["causal"], kw["return_lse"], tuple(kw.get(n) for n in names), offs, kw.get("batch_offsets_units", "elements"),
-        kw.get("out"), kw.get("lse"), kw.get("is_cuda_graph_compatible", False), backend, kw.get("o_data_type"),
-        kw.get("window_left", -1), kw.get("logits_soft_cap", 0.0), kw.get("sinks"),
-    )  # fmt: skip
+        kw["q"],
+        kw["k_cache"],
+        kw["v_cache"],
+        kw["scale"],
+        kw["workspace_buffer"],
+        kw["max_token_per_sequence"],
+        kw["max_sequence_kv"],
+        kw["actual_seq_lens_q"],
+        kw["actual_seq_lens_kv"],
+        kw.get("block_tables"),
+        kw["causal"],
+        kw["return_lse"],
+        tuple(kw.get(n) for n in names),
+        offs,
+        kw.get("batch_offsets_units", "elements"),
+        kw.get("out"),
+        kw.get("lse"),
+        kw.get("is_cuda_graph_compatible", False),
+        backend,
+        kw.get("o_data_type"),
+        kw.get("window_left", -1),
+        kw.get("logits_soft_cap", 0.0),
+        kw.get("sinks"),
+    )
 
 
 def call_tensors(case, p, lp, ws) -> CallTensors:
@@ -71,10 +89,19 @@ def call_tensors(case, p, lp, ws) -> CallTensors:
     if lse is None and lp.return_lse:
         lse = torch.full(lp.lse_shape, float("-inf"), device=batch.device)
     return CallTensors(
-        kw["q"], kw["k_cache"], kw["v_cache"], out, lse.view(-1) if lse is not None else None,
-        p.meta if meta is None else meta, pages, kw.get("q_scale"), kw.get("k_scale"), kw.get("v_scale"),
-        kw.get("sinks"), scratch,
-    )  # fmt: skip
+        kw["q"],
+        kw["k_cache"],
+        kw["v_cache"],
+        out,
+        lse.view(-1) if lse is not None else None,
+        p.meta if meta is None else meta,
+        pages,
+        kw.get("q_scale"),
+        kw.get("k_scale"),
+        kw.get("v_scale"),
+        kw.get("sinks"),
+        scratch,
+    )
 
 
 def batch_of(case, backend: str = "torch", **override):
@@ -150,12 +177,24 @@ def random_params(seed: int, dtypes: tuple, long: bool = False, variants: bool =
     hq, hkv = r.choice(HEADS)
     d = r.choice(dims)
     params = dict(
-        lens_q=lens_q, lens_kv=lens_kv, hq=hq, hkv=hkv, dqk=d, dvo=128 if d == 192 else d,
-        page_size=r.choice([0, 1, 3, 16]), kv_layout=r.choice(["nhd", "hnd", "interleaved"]),
-        dtype=r.choice(dtypes), causal=r.random() < 0.6, offsets=r.choice(["none", "elements", "tokens"]),
-        gaps=r.random() < 0.5, lse_layout=r.choice(["padded", "packed"]), return_lse=r.random() < 0.8,
-        extra_table_cols=r.randint(0, 2), with_out=r.random() < 0.8, device=DEVICE,
-    )  # fmt: skip
+        lens_q=lens_q,
+        lens_kv=lens_kv,
+        hq=hq,
+        hkv=hkv,
+        dqk=d,
+        dvo=128 if d == 192 else d,
+        page_size=r.choice([0, 1, 3, 16]),
+        kv_layout=r.choice(["nhd", "hnd", "interleaved"]),
+        dtype=r.choice(dtypes),
+        causal=r.random() < 0.6,
+        offsets=r.choice(["none", "elements", "tokens"]),
+        gaps=r.random() < 0.5,
+        lse_layout=r.choice(["padded", "packed"]),
+        return_lse=r.random() < 0.8,
+        extra_table_cols=r.randint(0, 2),
+        with_out=r.random() < 0.8,
+        device=DEVICE,
+    )
     if params["kv_layout"] == "interleaved" and params["dvo"] != params["dqk"]:
         params["kv_layout"] = "nhd"
     if r.random() < 0.3:  # max_* larger than the longest sequence

@@ -322,9 +322,7 @@ def check(
             assert not bad.any(), f"lse at {idx[bad][0, 0].item()}: -inf mismatch"
             err = torch.where(inf, 0.0, (got - expected).abs())
             over = (~(err <= latol)).any(dim=1)  # (NaN: an unwritten entry)
-            assert not over.any(), (
-                f"lse at {idx[over][0, 0].item()}: max error {err[over][0].max().item():.3g}"
-            )
+            assert not over.any(), f"lse at {idx[over][0, 0].item()}: max error {err[over][0].max().item():.3g}"
         if case.kwargs.get("lse") is not None:
             assert torch.isnan(flat[~touched]).all(), "an uncovered lse entry was written"
         else:

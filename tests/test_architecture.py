@@ -11,10 +11,27 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "pagedprefill"
 # Each module's layer; a module may import only modules of a lower layer (same layer: not at all,
 # except within one backend's own package).
 LAYERS = {
-    "batch": 0, "tuning": 0, "kernels.launch": 1, "kernels.metadata": 2, "kernels.merge": 2, "kernels": 1,
-    "normalise": 3, "workspace": 4, "backends": 5, "dispatch": 6, "prefill_plan": 7, "plan_cache": 7, "merge": 7,
-    "api": 8, "wrappers": 9, "flashinfer": 10, "ops": 10, "workloads": 11, "bench": 12, "demo": 12,
-}  # fmt: skip
+    "batch": 0,
+    "tuning": 0,
+    "kernels.launch": 1,
+    "kernels.metadata": 2,
+    "kernels.merge": 2,
+    "kernels": 1,
+    "normalise": 3,
+    "workspace": 4,
+    "backends": 5,
+    "dispatch": 6,
+    "prefill_plan": 7,
+    "plan_cache": 7,
+    "merge": 7,
+    "api": 8,
+    "wrappers": 9,
+    "flashinfer": 10,
+    "ops": 10,
+    "workloads": 11,
+    "bench": 12,
+    "demo": 12,
+}
 
 
 def _module_name(path: Path) -> str:

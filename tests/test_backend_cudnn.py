@@ -51,9 +51,7 @@ def _spec(**kw) -> graph.GraphSpec:
 def _device_batch(batch):
     """``batch`` as normalise describes it when the lengths live on the device: no host metadata,
     and the kernels' work bounded by the caller's bounds (the table's reach for paged K/V)."""
-    work_kv = (
-        min(batch.max_kv, batch.table_width * batch.page_size) if batch.pages == "table" else batch.max_kv
-    )
+    work_kv = min(batch.max_kv, batch.table_width * batch.page_size) if batch.pages == "table" else batch.max_kv
     return dataclasses.replace(batch, host=None, work_q=batch.max_q, work_kv=work_kv)
 
 
@@ -209,12 +207,19 @@ def _csr_batch(**kw):
     ps, hq, hkv, d = 16, 4, 2, 64
     ws = torch.empty(1 << 20, dtype=torch.uint8)
     p = pagedprefill.plan(
-        ws, num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=d, page_size=ps,
+        ws,
+        num_qo_heads=hq,
+        num_kv_heads=hkv,
+        head_dim_qk=d,
+        page_size=ps,
         actual_seq_lens_q=torch.tensor([3, 2], dtype=torch.int32),
         kv_indptr=torch.tensor([0, 2, 3], dtype=torch.int32),
         kv_indices=torch.tensor([4, 1, 0], dtype=torch.int32),
-        kv_last_page_len=torch.tensor([5, 16], dtype=torch.int32), causal=True, backend="torch", **kw,
-    )  # fmt: skip
+        kv_last_page_len=torch.tensor([5, 16], dtype=torch.int32),
+        causal=True,
+        backend="torch",
+        **kw,
+    )
     q = torch.randn(5, hq, d).to(BF16)
     kv = torch.randn(6, hkv, ps, d).to(BF16)
     return p.layer(q, kv, kv.clone(), None, None, (None, None, None), None, False, ws).batch
@@ -238,9 +243,7 @@ def test_static_limits():
 
 
 @pytest.mark.parametrize("page_size", [0, 16])
-@pytest.mark.parametrize(
-    "extra", [{}, dict(window_left=4), dict(sinks=True)], ids=["plain", "window", "sinks"]
-)
+@pytest.mark.parametrize("extra", [{}, dict(window_left=4), dict(sinks=True)], ids=["plain", "window", "sinks"])
 def test_soft_cap_is_always_refused(page_size, extra):
     """cuDNN SDPA has no logit soft-capping: refused from the description alone, whatever else the
     call has, so that "auto" never asks cuDNN and backend='cudnn' says why."""
@@ -494,9 +497,7 @@ def _emulated_cudnn(spec: graph.GraphSpec, t, views) -> None:
             continue
         assert 0 < lkv <= spec.max_kv and lq <= spec.max_q, (lq, lkv, spec.max_q, spec.max_kv)
         assert not spec.causal or lq <= lkv, "a causal row without visible keys reached cuDNN"
-        qb = torch.as_strided(
-            q, (lq, hq, spec.head_dim_qk), (*spec.q_strides, 1), q.storage_offset() + int(off_q[b])
-        )
+        qb = torch.as_strided(q, (lq, hq, spec.head_dim_qk), (*spec.q_strides, 1), q.storage_offset() + int(off_q[b]))
         if spec.paged:
             j = torch.arange(lkv, device=k.device)
             assert lkv <= spec.table_width * spec.page_size
@@ -672,9 +673,7 @@ def test_device_lengths_pipeline_emulated(emulated, seed):
 def test_strided_block_table(emulated):
     """A block table that is a column slice of a wider one (row stride > width), as serving engines
     slice a preallocated table: every sequence reads its own row."""
-    case = _case(
-        lens_q=[4, 6, 3], lens_kv=[40, 17, 33], hq=4, hkv=2, dqk=64, extra_table_cols=0, device=DEVICE
-    )
+    case = _case(lens_q=[4, 6, 3], lens_kv=[40, 17, 33], hq=4, hkv=2, dqk=64, extra_table_cols=0, device=DEVICE)
     bt = case.kwargs["block_tables"]
     wide = torch.full((bt.shape[0], bt.shape[1] + 5), 10_000, dtype=torch.int32, device=bt.device)
     wide[:, : bt.shape[1]] = bt
@@ -786,9 +785,7 @@ def _prepare(bp, t, views, triton: bool) -> None:
     n_idx = prepare.table_span(t.pages) if spec.paged else 0
     args = (views.ints, views.table, t.meta, t.pages)
     if triton:
-        prepare.prepare_triton(
-            spec, lay, *args, t.out, t.lse, t.sinks, batch.batch_size, n_idx, bp.fix, batch.work_q
-        )
+        prepare.prepare_triton(spec, lay, *args, t.out, t.lse, t.sinks, batch.batch_size, n_idx, bp.fix, batch.work_q)
         return
     fx = prepare.prepare_torch(spec, lay, plan.consts, *args, batch.batch_size, n_idx)
     if bp.fix:
@@ -851,8 +848,15 @@ def test_page_table_copy_reads_only_listed_pages(emulated, seed):
     bsz = rng.randint(1, 7)
     lens_kv = [rng.choice([0, rng.randint(1, 70)]) for _ in range(bsz)]
     lens_q = [rng.randint(1, 5) for _ in range(bsz)]
-    case = make_case(seed, lens_q=lens_q, lens_kv=lens_kv, page_size=ps, extra_table_cols=rng.randint(0, 5),
-                     dtype=BF16, device=DEVICE)  # fmt: skip
+    case = make_case(
+        seed,
+        lens_q=lens_q,
+        lens_kv=lens_kv,
+        page_size=ps,
+        extra_table_cols=rng.randint(0, 5),
+        dtype=BF16,
+        device=DEVICE,
+    )
     bt = case.kwargs["block_tables"]
     bt[bt < 0] = 10_000 + seed  # unused entries: out-of-range ids (still clamped if ever read)
     bp, t, views = _prepared(case, device_path=seed % 2 == 1)
@@ -917,9 +921,7 @@ class _CountingLaunch:
 
 @pytest.mark.parametrize("triton_path", [True, False], ids=["triton", "torch-ops"])
 @pytest.mark.parametrize("device_path", [False, True], ids=["host-lengths", "device-lengths"])
-def test_per_run_device_work_is_fixed_and_independent_of_batch(
-    emulated, device_path, triton_path, monkeypatch
-):
+def test_per_run_device_work_is_fixed_and_independent_of_batch(emulated, device_path, triton_path, monkeypatch):
     """The host cost of a run is dominated by its launches: run() issues a fixed handful, none per
     sequence, whatever the batch size. Where Triton runs: ONE launch (metadata, page table and the
     rows without keys) and no torch op but views. Without Triton: a fixed number of torch ops for the
@@ -930,9 +932,7 @@ def test_per_run_device_work_is_fixed_and_independent_of_batch(
     counts = {}
     for bsz in (1, 5, 40):
         lens_kv = [17 + 3 * b for b in range(bsz)]
-        case = make_case(
-            bsz, lens_q=[4] * bsz, lens_kv=lens_kv, hq=4, hkv=2, dqk=64, page_size=16, dtype=BF16
-        )
+        case = make_case(bsz, lens_q=[4] * bsz, lens_kv=lens_kv, hq=4, hkv=2, dqk=64, page_size=16, dtype=BF16)
         p, lp, ws = planned(case, "cudnn")
         t = call_tensors(case, p, lp, ws)
         batch = _device_batch(lp.batch) if device_path else lp.batch
@@ -996,12 +996,22 @@ def test_serving_loop_bucketing_builds_few_graphs():
         width = -(-max(lkv) // 16)
         rows = sum(lq)
         batch = dataclasses.replace(
-            base, batch_size=bsz, max_q=max(lq), max_kv=max(lkv), work_q=max(lq), work_kv=max(lkv),
-            table_width=width, table_stride=width, num_pages=cache.shape[0], k=Layout.of(cache),
+            base,
+            batch_size=bsz,
+            max_q=max(lq),
+            max_kv=max(lkv),
+            work_q=max(lq),
+            work_kv=max(lkv),
+            table_width=width,
+            table_stride=width,
+            num_pages=cache.shape[0],
+            k=Layout.of(cache),
             v=Layout.of(cache),
-            q=Layout((rows, 4, 64), (256, 64, 1), BF16), out=Layout((rows, 4, 64), (256, 64, 1), BF16),
-            lse_numel=bsz * max(lq) * 4, host=None,
-        )  # fmt: skip
+            q=Layout((rows, 4, 64), (256, 64, 1), BF16),
+            out=Layout((rows, 4, 64), (256, 64, 1), BF16),
+            lse_numel=bsz * max(lq) * 4,
+            host=None,
+        )
         return graph.graph_spec(batch)
 
     seen = {spec() for _ in range(200)}
@@ -1074,8 +1084,17 @@ def test_random_against_oracle(seed):
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128), (192, 128)])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_paged_grid(dtype, dims, page_size):
-    case = _gpu_case(1, lens_q=[17, 1, 30], lens_kv=[70, 33, 30], hq=8, hkv=2, dqk=dims[0], dvo=dims[1],
-                     page_size=page_size, dtype=dtype)  # fmt: skip
+    case = _gpu_case(
+        1,
+        lens_q=[17, 1, 30],
+        lens_kv=[70, 33, 30],
+        hq=8,
+        hkv=2,
+        dqk=dims[0],
+        dvo=dims[1],
+        page_size=page_size,
+        dtype=dtype,
+    )
     _check(case, dtype, _run(case))
 
 
@@ -1088,8 +1107,9 @@ def test_empty_operands(name, dims, dtype, on_device):
     """Regression (H200): an operand without elements (ragged K/V of 0 rows with kv_len 0, q of 0 rows)
     made cuDNN raise ``execute(...) failed ... varPackPtrs[io_uid_idx] == nullptr``. The graph is now
     skipped; out rows without keys are 0 and their lse -inf; nothing else is written."""
-    case = _gpu_case(30, **EMPTY_OPERANDS[name], hq=8, hkv=2, dqk=dims[0], dvo=dims[1], dtype=dtype,
-                     lens_on_device=on_device)  # fmt: skip
+    case = _gpu_case(
+        30, **EMPTY_OPERANDS[name], hq=8, hkv=2, dqk=dims[0], dvo=dims[1], dtype=dtype, lens_on_device=on_device
+    )
     out, lse = _run(case, is_cuda_graph_compatible=on_device)
     torch.cuda.synchronize()
     assert pagedprefill.last_backend() == "cudnn"
@@ -1120,9 +1140,19 @@ def test_window_and_sinks_served_exactly_or_refused(variant, causal, page_size):
     and "auto" serves the call on another backend, right. When cuDNN serves them, the result matches
     the oracle like any other call."""
     for dims in ((128, 128), (192, 128)):
-        case = _gpu_case(40, lens_q=[9, 30, 4, 0, 12], lens_kv=[70, 30, 0, 5, 3], hq=8, hkv=2, dqk=dims[0],
-                         dvo=dims[1], page_size=page_size, dtype=BF16, causal=causal,
-                         **WINDOW_AND_SINKS[variant])  # fmt: skip
+        case = _gpu_case(
+            40,
+            lens_q=[9, 30, 4, 0, 12],
+            lens_kv=[70, 30, 0, 5, 3],
+            hq=8,
+            hkv=2,
+            dqk=dims[0],
+            dvo=dims[1],
+            page_size=page_size,
+            dtype=BF16,
+            causal=causal,
+            **WINDOW_AND_SINKS[variant],
+        )
         try:
             result = _run(case)
         except ValueError as exc:
@@ -1142,16 +1172,24 @@ def test_window_and_sinks_served_exactly_or_refused(variant, causal, page_size):
 def test_plan_made_on_one_thread_runs_on_another():
     """cuDNN handles are per thread and graphs are cached per handle: a plan made (and run) on one
     thread and run on another resolves its graph for that thread's handle, and is right on both."""
-    case = _gpu_case(
-        16, lens_q=[9, 4, 13], lens_kv=[50, 20, 13], hq=4, hkv=2, dqk=128, page_size=16, dtype=BF16
-    )
+    case = _gpu_case(16, lens_q=[9, 4, 13], lens_kv=[50, 20, 13], hq=4, hkv=2, dqk=128, page_size=16, dtype=BF16)
     kw = case.kwargs
     p = pagedprefill.plan(
-        kw["workspace_buffer"], num_qo_heads=4, num_kv_heads=2, head_dim_qk=128, page_size=16,
-        actual_seq_lens_q=kw["actual_seq_lens_q"], actual_seq_lens_kv=kw["actual_seq_lens_kv"],
-        max_token_per_sequence=kw["max_token_per_sequence"], max_sequence_kv=kw["max_sequence_kv"],
-        block_tables=kw["block_tables"], causal=True, scale=kw["scale"], return_lse=True, backend="cudnn",
-    )  # fmt: skip
+        kw["workspace_buffer"],
+        num_qo_heads=4,
+        num_kv_heads=2,
+        head_dim_qk=128,
+        page_size=16,
+        actual_seq_lens_q=kw["actual_seq_lens_q"],
+        actual_seq_lens_kv=kw["actual_seq_lens_kv"],
+        max_token_per_sequence=kw["max_token_per_sequence"],
+        max_sequence_kv=kw["max_sequence_kv"],
+        block_tables=kw["block_tables"],
+        causal=True,
+        scale=kw["scale"],
+        return_lse=True,
+        backend="cudnn",
+    )
     errors = []
 
     def run():
@@ -1177,8 +1215,9 @@ def test_plan_made_on_one_thread_runs_on_another():
 def test_anchor_contiguous_then_interleaved_kv():
     before = cb.graph_builds()
     for layout in ("hnd", "interleaved", "nhd"):
-        case = _gpu_case(2, lens_q=[9, 4], lens_kv=[50, 20], hq=4, hkv=2, dqk=128, page_size=16,
-                         kv_layout=layout, dtype=BF16)  # fmt: skip
+        case = _gpu_case(
+            2, lens_q=[9, 4], lens_kv=[50, 20], hq=4, hkv=2, dqk=128, page_size=16, kv_layout=layout, dtype=BF16
+        )
         _check(case, BF16, _run(case))
     assert cb.graph_builds() - before <= 3
 
@@ -1186,23 +1225,26 @@ def test_anchor_contiguous_then_interleaved_kv():
 @pytest.mark.gpu
 def test_anchor_same_shapes_other_scale():
     for scale in (0.05, 1 / math.sqrt(128), 0.5):
-        case = _gpu_case(3, lens_q=[9, 4], lens_kv=[50, 20], hq=4, hkv=2, dqk=128, page_size=16, dtype=BF16,
-                         scale=scale)  # fmt: skip
+        case = _gpu_case(
+            3, lens_q=[9, 4], lens_kv=[50, 20], hq=4, hkv=2, dqk=128, page_size=16, dtype=BF16, scale=scale
+        )
         _check(case, BF16, _run(case))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [0, 16])
 def test_anchor_batch_without_offsets(page_size):
-    case = _gpu_case(4, lens_q=[7, 12, 3, 9], lens_kv=[30, 12, 64, 9], hq=4, hkv=4, dqk=128,
-                     page_size=page_size, dtype=BF16)  # fmt: skip
+    case = _gpu_case(
+        4, lens_q=[7, 12, 3, 9], lens_kv=[30, 12, 64, 9], hq=4, hkv=4, dqk=128, page_size=page_size, dtype=BF16
+    )
     _check(case, BF16, _run(case))
 
 
 @pytest.mark.gpu
 def test_anchor_block_table_wider_than_max_kv():
-    case = _gpu_case(5, lens_q=[6, 5, 8], lens_kv=[33, 7, 48], hq=4, hkv=1, dqk=128, page_size=16, dtype=BF16,
-                     extra_table_cols=9)  # fmt: skip
+    case = _gpu_case(
+        5, lens_q=[6, 5, 8], lens_kv=[33, 7, 48], hq=4, hkv=1, dqk=128, page_size=16, dtype=BF16, extra_table_cols=9
+    )
     assert case.kwargs["block_tables"].shape[1] > -(-48 // 16)
     _check(case, BF16, _run(case))
 
@@ -1211,8 +1253,18 @@ def test_anchor_block_table_wider_than_max_kv():
 @pytest.mark.parametrize("on_device", [False, True], ids=["host-lengths", "device-lengths"])
 def test_strided_block_table_on_gpu(on_device):
     """A column slice of a wider block table (row stride > width)."""
-    case = _gpu_case(15, lens_q=[6, 5, 8], lens_kv=[33, 7, 48], hq=4, hkv=2, dqk=128, page_size=16,
-                     dtype=BF16, extra_table_cols=0, lens_on_device=on_device)  # fmt: skip
+    case = _gpu_case(
+        15,
+        lens_q=[6, 5, 8],
+        lens_kv=[33, 7, 48],
+        hq=4,
+        hkv=2,
+        dqk=128,
+        page_size=16,
+        dtype=BF16,
+        extra_table_cols=0,
+        lens_on_device=on_device,
+    )
     bt = case.kwargs["block_tables"]
     wide = torch.full((bt.shape[0], bt.shape[1] + 7), 10_000, dtype=torch.int32, device="cuda")
     wide[:, : bt.shape[1]] = bt
@@ -1224,16 +1276,35 @@ def test_strided_block_table_on_gpu(on_device):
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_anchor_lse_padding_rows_untouched(layout):
     # max_q well above the real lengths: rows i >= q_len of the padded lse must keep their NaN poison
-    case = _gpu_case(6, lens_q=[3, 7, 1], lens_kv=[20, 40, 9], hq=4, hkv=2, dqk=64, page_size=16, dtype=BF16,
-                     lse_layout=layout, max_q=16)  # fmt: skip
+    case = _gpu_case(
+        6,
+        lens_q=[3, 7, 1],
+        lens_kv=[20, 40, 9],
+        hq=4,
+        hkv=2,
+        dqk=64,
+        page_size=16,
+        dtype=BF16,
+        lse_layout=layout,
+        max_q=16,
+    )
     _check(case, BF16, _run(case))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("on_device", [False, True])
 def test_rows_without_visible_keys(on_device):
-    case = _gpu_case(7, lens_q=[5, 9, 0, 4], lens_kv=[0, 4, 6, 20], hq=4, hkv=2, dqk=128, page_size=16,
-                     dtype=BF16, lens_on_device=on_device)  # fmt: skip
+    case = _gpu_case(
+        7,
+        lens_q=[5, 9, 0, 4],
+        lens_kv=[0, 4, 6, 20],
+        hq=4,
+        hkv=2,
+        dqk=128,
+        page_size=16,
+        dtype=BF16,
+        lens_on_device=on_device,
+    )
     out, lse = _run(case, is_cuda_graph_compatible=on_device)
     _check(case, BF16, (out, lse))
     assert (out[:5].float() == 0).all()  # kv_len 0
@@ -1244,11 +1315,7 @@ def test_rows_without_visible_keys(on_device):
 def _last_page_tails(case):
     """(page, first unused slot) of each sequence's last page, for sequences with a partial page."""
     ps, table = case.info["page_size"], case.info["block_tables"]
-    return [
-        (int(table[b, (n - 1) // ps]), n % ps)
-        for b, n in enumerate(case.lens_kv)
-        if n % ps and case.lens_q[b]
-    ]
+    return [(int(table[b, (n - 1) // ps]), n % ps) for b, n in enumerate(case.lens_kv) if n % ps and case.lens_q[b]]
 
 
 @pytest.mark.gpu
@@ -1269,8 +1336,9 @@ def test_finite_garbage_past_kv_len_is_harmless():
 def test_nan_in_pages_listed_past_the_last_page_does_not_leak():
     """block_tables entries past ceil(kv_len / page_size) are ignored (spec): pages they name may be
     freed and hold NaN. Our page-table copy never hands them to cuDNN."""
-    case = _gpu_case(9, lens_q=[5, 9, 3], lens_kv=[21, 35, 7], hq=4, hkv=2, dqk=128, page_size=16, dtype=BF16,
-                     extra_table_cols=4)  # fmt: skip
+    case = _gpu_case(
+        9, lens_q=[5, 9, 3], lens_kv=[21, 35, 7], hq=4, hkv=2, dqk=128, page_size=16, dtype=BF16, extra_table_cols=4
+    )
     table = case.info["block_tables"]
     used = {int(x) for x in table[table >= 0]}
     spare = [p for p in range(case.kwargs["k_cache"].shape[0]) if p not in used]
@@ -1287,9 +1355,7 @@ def test_nan_in_pages_listed_past_the_last_page_does_not_leak():
 def test_nan_past_kv_len_in_a_last_page_stays_in_that_sequence():
     """The documented cuDNN limitation (NaN/Inf in the unused slots of a sequence's last page
     reach that sequence's output through 0 * NaN) touches no other sequence."""
-    case = _gpu_case(
-        14, lens_q=[5, 9, 3], lens_kv=[21, 35, 7], hq=4, hkv=2, dqk=128, page_size=16, dtype=BF16
-    )
+    case = _gpu_case(14, lens_q=[5, 9, 3], lens_kv=[21, 35, 7], hq=4, hkv=2, dqk=128, page_size=16, dtype=BF16)
     page, slot = _last_page_tails(case)[0]  # sequence 0's last page
     case.kwargs["k_cache"][page, :, slot:] = float("nan")
     case.kwargs["v_cache"][page, :, slot:] = float("nan")
@@ -1326,8 +1392,19 @@ def _graph_scenario(kw, lens_q, lens_kv, seed, page_size=16):
 def test_cuda_graph_capture_and_replay():
     """Capture once, replay with other lengths (kv_len 0, q_len 0, causal q_len > kv_len, the
     captured maxima), other block tables and other data: every replay is right."""
-    live = _gpu_case(10, lens_q=[16] * 4, lens_kv=[64] * 4, hq=8, hkv=2, dqk=128, page_size=16, dtype=BF16,
-                     max_q=16, max_kv=64, lens_on_device=True)  # fmt: skip
+    live = _gpu_case(
+        10,
+        lens_q=[16] * 4,
+        lens_kv=[64] * 4,
+        hq=8,
+        hkv=2,
+        dqk=128,
+        page_size=16,
+        dtype=BF16,
+        max_q=16,
+        max_kv=64,
+        lens_on_device=True,
+    )
     kw = dict(live.kwargs, backend="cudnn", is_cuda_graph_compatible=True)
     scenarios = [
         ([5, 3, 8, 16], [20, 7, 33, 64]),
@@ -1384,13 +1461,21 @@ def test_bucketing_limits_graph_builds():
             at += n
         rows, max_q = sum(lq), max(lq)
         kwargs = dict(
-            q=q_buf[:rows], k_cache=cache[0], v_cache=cache[1], scale=d**-0.5, workspace_buffer=ws,
-            max_token_per_sequence=max_q, max_sequence_kv=max(lkv),
+            q=q_buf[:rows],
+            k_cache=cache[0],
+            v_cache=cache[1],
+            scale=d**-0.5,
+            workspace_buffer=ws,
+            max_token_per_sequence=max_q,
+            max_sequence_kv=max(lkv),
             actual_seq_lens_q=torch.tensor(lq, dtype=torch.int32),
             actual_seq_lens_kv=torch.tensor(lkv, dtype=torch.int32),
-            block_tables=table.cuda(), causal=True, return_lse=True, out=out_buf[:rows],
+            block_tables=table.cuda(),
+            causal=True,
+            return_lse=True,
+            out=out_buf[:rows],
             lse=lse_buf[: bsz * max_q * hq].view(bsz, max_q, hq),
-        )  # fmt: skip
+        )
         if small:
             poison(kwargs["lse"])  # padded rows past each q_len must stay untouched
         out, lse = pagedprefill.cudnn_batch_prefill_with_kv_cache(**kwargs, backend="cudnn")
@@ -1414,9 +1499,7 @@ def test_bucketing_limits_graph_builds():
 
 @pytest.mark.gpu
 def test_fp8_refusal_or_result():
-    case = _gpu_case(
-        13, lens_q=[5, 3], lens_kv=[20, 9], hq=4, hkv=2, dqk=128, page_size=16, dtype=torch.float8_e4m3fn
-    )
+    case = _gpu_case(13, lens_q=[5, 3], lens_kv=[20, 9], hq=4, hkv=2, dqk=128, page_size=16, dtype=torch.float8_e4m3fn)
     major, _ = torch.cuda.get_device_capability()
     if major < 10:
         with pytest.raises((ValueError, NotImplementedError)) as info:

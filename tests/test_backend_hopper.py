@@ -65,11 +65,17 @@ def test_not_used_off_the_gpu():
 @pytest.mark.parametrize(
     "kw, served",
     [
-        (dict(dqk=64), True), (dict(dqk=128), True), (dict(dqk=192, dvo=128), True), (dict(dqk=96), False),
-        (dict(dqk=256), False), (dict(window_left=8), True), (dict(sinks=True), True),
-        (dict(logits_soft_cap=5.0), True), (dict(dtype=F16, kv_dtype=torch.float8_e4m3fn), False),
+        (dict(dqk=64), True),
+        (dict(dqk=128), True),
+        (dict(dqk=192, dvo=128), True),
+        (dict(dqk=96), False),
+        (dict(dqk=256), False),
+        (dict(window_left=8), True),
+        (dict(sinks=True), True),
+        (dict(logits_soft_cap=5.0), True),
+        (dict(dtype=F16, kv_dtype=torch.float8_e4m3fn), False),
     ],
-)  # fmt: skip
+)
 def test_what_it_serves(kw, served):
     """16-bit, Dqk = Dvo in {64, 128} or 192 / 128 (variants included): the rest takes the portable kernel."""
     why = hp.unavailable_reason(batch_of(_case(**kw)))
@@ -150,8 +156,9 @@ def test_tma_view_addresses_every_key_row(layout, page_size):
     """The 2-D TMA view's (row, column) of every (page, head, slot) is that key row's address."""
     if page_size == 0 and layout != "nhd":
         pytest.skip("ragged caches have one layout")
-    case = make_case(2, lens_q=[3], lens_kv=[150], hq=8, hkv=4, dqk=64, page_size=page_size, kv_layout=layout,
-                     dtype=BF16)  # fmt: skip
+    case = make_case(
+        2, lens_q=[3], lens_kv=[150], hq=8, hkv=4, dqk=64, page_size=page_size, kv_layout=layout, dtype=BF16
+    )
     p, lp, ws = planned(case, "torch")
     batch, t = lp.batch, call_tensors(case, p, lp, ws)
     box = hp._page_box(batch, hp.DEFAULT)
@@ -182,8 +189,9 @@ def test_tma_view_addresses_every_key_row(layout, page_size):
 def test_tma_plan_for_mla_boxes_key_columns_in_two_parts():
     """Dqk 192: K's 2-D view spans all 192 columns of every head, boxed as 128 + 64 columns."""
     for layout in ("nhd", "hnd"):
-        case = make_case(2, lens_q=[3], lens_kv=[70], hq=4, hkv=2, dqk=192, dvo=128, page_size=16, kv_layout=layout,
-                         dtype=BF16)  # fmt: skip
+        case = make_case(
+            2, lens_q=[3], lens_kv=[70], hq=4, hkv=2, dqk=192, dvo=128, page_size=16, kv_layout=layout, dtype=BF16
+        )
         p, lp, ws = planned(case, "torch")
         box = hp._page_box(lp.batch, hp.DEFAULT)
         (k0, _, k_head_off, k_rows), (v0, *_), k1 = hp._tma_plan(call_tensors(case, p, lp, ws), lp.batch, box)
@@ -332,16 +340,34 @@ def test_gpu_random_grid_forced(seed, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "group, dqk, knobs",
-    [(3, 128, {}), (4, 128, dict(consumers=2, consumer_regs=216)), (6, 128, dict(stages=2)),
-     (4, 128, dict(BLOCK_N=32)), (4, 128, dict(BLOCK_N=128, stages=2)), (4, 192, {}), (7, 64, {})],
-)  # fmt: skip
+    [
+        (3, 128, {}),
+        (4, 128, dict(consumers=2, consumer_regs=216)),
+        (6, 128, dict(stages=2)),
+        (4, 128, dict(BLOCK_N=32)),
+        (4, 128, dict(BLOCK_N=128, stages=2)),
+        (4, 192, {}),
+        (7, 64, {}),
+    ],
+)
 def test_gpu_tile_boundaries(group, dqk, knobs, monkeypatch):
     """Causal consumers' own key ranges ending one key either side of tile boundaries (an off-by-one in
     a consumer's tile count or unmasked range changes the output), 2 or 3 consumers, 2-stage rings,
     32/64/128-key tiles, Dqk 192, GQA 3, 6, 7."""
     monkeypatch.setattr(hp, "_num_sms", lambda device: 2)
-    case = make_case(51, lens_q=[40, 41, 150, 90], lens_kv=[65, 84, 100, 2000], hq=2 * group, hkv=2, dqk=dqk,
-                     dvo=128 if dqk == 192 else dqk, page_size=16, dtype=F16, causal=True, device="cuda")  # fmt: skip
+    case = make_case(
+        51,
+        lens_q=[40, 41, 150, 90],
+        lens_kv=[65, 84, 100, 2000],
+        hq=2 * group,
+        hkv=2,
+        dqk=dqk,
+        dvo=128 if dqk == 192 else dqk,
+        page_size=16,
+        dtype=F16,
+        causal=True,
+        device="cuda",
+    )
     check_forced(case, **knobs)
 
 
@@ -351,8 +377,18 @@ def test_gpu_chunked_dealing_short_last_chunk(causal, dynamic, monkeypatch):
     """Many row blocks per pair, 6 pairs dealt in chunks of 4 (the last one short) on a 3-program grid,
     and the same call again on the same workspace (the work counter starts from zero every run)."""
     monkeypatch.setattr(hp, "_num_sms", lambda device: 3)
-    case = make_case(41, lens_q=[700, 300, 520], lens_kv=[900, 300, 1000], hq=12, hkv=2, dqk=128, page_size=16,
-                     dtype=BF16, causal=causal, device="cuda")  # fmt: skip
+    case = make_case(
+        41,
+        lens_q=[700, 300, 520],
+        lens_kv=[900, 300, 1000],
+        hq=12,
+        hkv=2,
+        dqk=128,
+        page_size=16,
+        dtype=BF16,
+        causal=causal,
+        device="cuda",
+    )
     for _ in range(2):
         case.kwargs["out"].fill_(float("nan"))
         case.kwargs["lse"].fill_(float("nan"))
@@ -385,8 +421,19 @@ def test_gpu_window_tile_boundaries(window, monkeypatch):
     and not, long enough that whole tiles are skipped."""
     monkeypatch.setattr(hp, "_num_sms", lambda device: 2)
     for causal in (True, False):
-        case = make_case(61, lens_q=[190, 64, 400], lens_kv=[700, 64, 2000], hq=8, hkv=2, dqk=128, page_size=16,
-                         dtype=BF16, causal=causal, window_left=window, device="cuda")  # fmt: skip
+        case = make_case(
+            61,
+            lens_q=[190, 64, 400],
+            lens_kv=[700, 64, 2000],
+            hq=8,
+            hkv=2,
+            dqk=128,
+            page_size=16,
+            dtype=BF16,
+            causal=causal,
+            window_left=window,
+            device="cuda",
+        )
         check_forced(case)
 
 
@@ -396,15 +443,24 @@ def test_gpu_default_routing():
     calls to Triton and D 96 / 256 to cuDNN."""
 
     def case(dqk=128, page_size=16, lens_q=(30,), lens_kv=(90,), dvo=None):
-        return make_case(3, lens_q=list(lens_q), lens_kv=list(lens_kv), hq=8, hkv=2, dqk=dqk, dvo=dvo,
-                         page_size=page_size, dtype=BF16, device="cuda")  # fmt: skip
+        return make_case(
+            3,
+            lens_q=list(lens_q),
+            lens_kv=list(lens_kv),
+            hq=8,
+            hkv=2,
+            dqk=dqk,
+            dvo=dvo,
+            page_size=page_size,
+            dtype=BF16,
+            device="cuda",
+        )
 
     for c in (case(), case(page_size=1), case(page_size=8), case(page_size=0), case(dqk=64), case(dqk=192, dvo=128)):
         assert tb.uses_hopper_kernel(batch_of(c))
     assert not tb.uses_hopper_kernel(batch_of(case(dqk=96)))
     assert not tb.uses_hopper_kernel(batch_of(case(lens_q=(4,), lens_kv=(9000,))))  # split-KV
-    for c, expect in ((case(), "triton"), (case(dqk=64), "triton"), (case(dqk=96), "cudnn"),
-                      (case(dqk=256), "cudnn")):  # fmt: skip
+    for c, expect in ((case(), "triton"), (case(dqk=64), "triton"), (case(dqk=96), "cudnn"), (case(dqk=256), "cudnn")):
         out, _ = pagedprefill.cudnn_batch_prefill_with_kv_cache(**c.kwargs, backend="auto")
         assert pagedprefill.last_backend() == expect
         check_sampled(c, out, None, atol=atol_for(BF16))

@@ -150,11 +150,7 @@ def build(cfg: dict):
     kw = case.kwargs
     # lengths / offsets as int64 and/or (n,1,1,1)
     for name in list(kw):
-        if (
-            name.startswith("actual_seq_lens")
-            or name.startswith("batch_offsets_")
-            and name != "batch_offsets_units"
-        ):
+        if name.startswith("actual_seq_lens") or name.startswith("batch_offsets_") and name != "batch_offsets_units":
             t = kw[name].to(cfg["len_dtype"])
             kw[name] = t.view(-1, 1, 1, 1) if cfg["len_4d"] else t
     out_dtype = BF16 if cfg["dtype"] in FP8 else cfg["dtype"]
@@ -319,9 +315,7 @@ def test_q_len_zero_writes_nothing_for_that_sequence():
 )
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_uncovered_rows_keep_their_bytes(poison_kind, layout, dtype):
-    case = make_case(
-        4, lens_q=[3, 1, 5], lens_kv=[6, 0, 9], max_q=8, page_size=3, dtype=dtype, causal=False, **layout
-    )
+    case = make_case(4, lens_q=[3, 1, 5], lens_kv=[6, 0, 9], max_q=8, page_size=3, dtype=dtype, causal=False, **layout)
     kw = case.kwargs
     if poison_kind == "random-bits":
         random_bits_like(kw["out"], 40)
@@ -386,9 +380,7 @@ def test_bottom_right_causal_alignment():
         sm = s.masked_fill(~visible, -math.inf)
         o = torch.einsum("hij,jd->ihd", torch.softmax(sm, -1), v[:, 0])
         lse_ref = torch.logsumexp(sm, -1).transpose(0, 1)
-        close = torch.allclose(out.double(), o, atol=1e-5) and torch.allclose(
-            lse[0].double(), lse_ref, atol=1e-5
-        )
+        close = torch.allclose(out.double(), o, atol=1e-5) and torch.allclose(lse[0].double(), lse_ref, atol=1e-5)
         assert close == should_match
     check_case(case, out, lse)
 
@@ -497,9 +489,7 @@ def test_interleaved_views_equal_contiguous_copy():
     assert k.data_ptr() != v.data_ptr() and k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
     out, lse = call(case, backend="torch")
     check_case(case, out, lse)
-    out_c, lse_c = call(
-        case, backend="torch", k_cache=k.contiguous(), v_cache=v.contiguous(), out=None, lse=None
-    )
+    out_c, lse_c = call(case, backend="torch", k_cache=k.contiguous(), v_cache=v.contiguous(), out=None, lse=None)
     torch.testing.assert_close(out_c, out, atol=0, rtol=0)
     for b, n in enumerate(case.lens_q):
         torch.testing.assert_close(lse_c[b, :n], lse[b, :n], atol=0, rtol=0)
@@ -672,9 +662,7 @@ def test_results_are_deterministic():
 @pytest.mark.parametrize("page_size", [0, 3])
 def test_oracle_reference_rows_agrees_with_reference(page_size):
     # the 16k test trusts reference_rows; it must be the same math as the full oracle
-    case = make_case(
-        98, lens_q=[4, 6], lens_kv=[9, 3], hq=4, hkv=2, page_size=page_size, dtype=BF16, kv_dtype=E4M3
-    )
+    case = make_case(98, lens_q=[4, 6], lens_kv=[9, 3], hq=4, hkv=2, page_size=page_size, dtype=BF16, kv_dtype=E4M3)
     rows = [(0, 0), (0, 3), (1, 0), (1, 2), (1, 5)]
     got = reference_rows(case, rows)
     ref_out, ref_lse = reference(case)

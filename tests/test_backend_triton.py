@@ -92,8 +92,18 @@ def test_grid_covers_features():
     ids=["96", "192-128", "112-80-padded-qk", "80-112-padded-vo", "16-32"],
 )
 def test_head_dims(dqk, dvo, page_size):
-    case = make_case(7, lens_q=[9, 17], lens_kv=[30, 17], hq=6, hkv=2, dqk=dqk, dvo=dvo, page_size=page_size,
-                     dtype=F16, device=DEVICE)  # fmt: skip
+    case = make_case(
+        7,
+        lens_q=[9, 17],
+        lens_kv=[30, 17],
+        hq=6,
+        hkv=2,
+        dqk=dqk,
+        dvo=dvo,
+        page_size=page_size,
+        dtype=F16,
+        device=DEVICE,
+    )
     run_and_check(case, atol_for(F16))
 
 
@@ -105,8 +115,18 @@ def test_head_dims(dqk, dvo, page_size):
 @pytest.mark.parametrize("group", [1, 3, 5])
 def test_tile_shapes(block_m, block_n, page_size, group):
     """Other tile shapes: G not dividing BLOCK_M, BLOCK_N > BLOCK_M, whole tiles inside one page."""
-    case = make_case(11 + group, lens_q=[19, 5, 26], lens_kv=[45, 2, 26], hq=2 * group, hkv=2, page_size=page_size,
-                     kv_layout="hnd", dtype=F32, causal=True, device=DEVICE)  # fmt: skip
+    case = make_case(
+        11 + group,
+        lens_q=[19, 5, 26],
+        lens_kv=[45, 2, 26],
+        hq=2 * group,
+        hkv=2,
+        page_size=page_size,
+        kv_layout="hnd",
+        dtype=F32,
+        causal=True,
+        device=DEVICE,
+    )
     run_and_check(case, 1e-4, BLOCK_M=block_m, BLOCK_N=block_n)
 
 
@@ -117,8 +137,18 @@ def test_fp8(kv_dtype, q_fp8, dqk):
     """fp8 K/V with a 16-bit q (scales folded in-kernel) and fully fp8 q/k/v (bf16 out), at a power-of-
     two head dim and at 96 (one padded part, see fa2.split_head_dim)."""
     q_dtype = kv_dtype if q_fp8 else (BF16 if HAS_CUDA else F16)
-    case = make_case(21, lens_q=[13, 7], lens_kv=[33, 7], hq=6, hkv=2, dqk=dqk, page_size=3, dtype=q_dtype,
-                     kv_dtype=kv_dtype, device=DEVICE)  # fmt: skip
+    case = make_case(
+        21,
+        lens_q=[13, 7],
+        lens_kv=[33, 7],
+        hq=6,
+        hkv=2,
+        dqk=dqk,
+        page_size=3,
+        dtype=q_dtype,
+        kv_dtype=kv_dtype,
+        device=DEVICE,
+    )
     out, _ = run_and_check(case, 2.5e-2)
     assert out.dtype == (BF16 if q_fp8 else q_dtype)
 
@@ -150,8 +180,21 @@ def test_split_kv(splits, causal, variant):
     """Forced split-KV: partials in the workspace, then the merge kernel (incl. empty splits); a
     window cuts each split's range, sinks join in the merge."""
     extra = {"window": dict(window_left=9), "sinks": dict(sinks=True)}.get(variant, {})
-    case = make_case(41 + splits, lens_q=[3, 0, 9, 4], lens_kv=[70, 5, 9, 0], hq=4, hkv=2, page_size=3, dtype=F16,
-                     causal=causal, lse_layout="packed", offsets="tokens", gaps=True, device=DEVICE, **extra)  # fmt: skip
+    case = make_case(
+        41 + splits,
+        lens_q=[3, 0, 9, 4],
+        lens_kv=[70, 5, 9, 0],
+        hq=4,
+        hkv=2,
+        page_size=3,
+        dtype=F16,
+        causal=causal,
+        lse_layout="packed",
+        offsets="tokens",
+        gaps=True,
+        device=DEVICE,
+        **extra,
+    )
     with tuning.override("triton", num_splits=splits):
         assert planned(case)[1].backend.workspace_bytes > 0
     run_and_check(case, atol_for(F16), num_splits=splits)
@@ -159,8 +202,20 @@ def test_split_kv(splits, causal, variant):
 
 def test_split_kv_fp8_and_allocated_out():
     """Split-KV with fp8 K/V (v_scale applied in the merge) and a padded output head dim (112)."""
-    case = make_case(51, lens_q=[2, 5], lens_kv=[60, 33], hq=4, hkv=1, dqk=80, dvo=112, page_size=16, dtype=F16,
-                     kv_dtype=torch.float8_e4m3fn, with_out=False, device=DEVICE)  # fmt: skip
+    case = make_case(
+        51,
+        lens_q=[2, 5],
+        lens_kv=[60, 33],
+        hq=4,
+        hkv=1,
+        dqk=80,
+        dvo=112,
+        page_size=16,
+        dtype=F16,
+        kv_dtype=torch.float8_e4m3fn,
+        with_out=False,
+        device=DEVICE,
+    )
     run_and_check(case, 2.5e-2, num_splits=3)
 
 
@@ -180,8 +235,7 @@ def test_split_policy_from_host_ints_only():
 def test_work_is_sized_by_the_real_lengths():
     """A huge max_token_per_sequence with host lengths costs nothing: grid and scratch follow the
     lengths, the LSE layout follows the bound."""
-    case = make_case(59, lens_q=[6], lens_kv=[9], page_size=2, dtype=F16, max_q=65536, with_out=False,
-                     return_lse=False)  # fmt: skip
+    case = make_case(59, lens_q=[6], lens_kv=[9], page_size=2, dtype=F16, max_q=65536, with_out=False, return_lse=False)
     p, lp, _ = planned(case)
     assert lp.batch.work_q == 6 and lp.batch.max_q == 65536
     assert lp.backend.n_m == 1
@@ -228,8 +282,9 @@ def test_grid_chunking(monkeypatch, splits):
     """Grids above the CUDA y/z limit are launched in chunks (b_offset / m_offset); simulated with a
     limit of 2 so that batch and row-block chunks both occur."""
     monkeypatch.setattr(launch, "GRID_LIMIT", 2)
-    case = make_case(73, lens_q=[40, 3, 0, 17, 9], lens_kv=[30, 3, 4, 17, 40], hq=4, hkv=2, page_size=3, dtype=F16,
-                     device=DEVICE)  # fmt: skip
+    case = make_case(
+        73, lens_q=[40, 3, 0, 17, 9], lens_kv=[30, 3, 4, 17, 40], hq=4, hkv=2, page_size=3, dtype=F16, device=DEVICE
+    )
     with tuning.override("triton", num_splits=splits):
         p, lp, ws = planned(case)
         kernels = [x[0] for x in lp.backend.launches(call_tensors(case, p, lp, ws))]
@@ -297,8 +352,18 @@ def test_knob_overrides():
 def test_lazy_rescale_with_growing_maxima(lazy, scale):
     """Large logits make the running row max jump across KV tiles: the lazy-rescale path must
     rescale exactly when needed (a stale max > 2^8 below the true one would overflow or lose mass)."""
-    case = make_case(900 + lazy, lens_q=[37, 5], lens_kv=[90, 70], hq=4, hkv=2, dqk=64, page_size=16,
-                     dtype=F16 if HAS_CUDA else F32, device=DEVICE, scale=scale)  # fmt: skip
+    case = make_case(
+        900 + lazy,
+        lens_q=[37, 5],
+        lens_kv=[90, 70],
+        hq=4,
+        hkv=2,
+        dqk=64,
+        page_size=16,
+        dtype=F16 if HAS_CUDA else F32,
+        device=DEVICE,
+        scale=scale,
+    )
     out, lse = call(case, knobs=dict(lazy=lazy))
     check(case, out, lse, atol=2e-2 if HAS_CUDA else 1e-4, lse_atol=2e-2)
 
@@ -337,12 +402,22 @@ def test_specialisation_key_is_stable(page_size):
             lens_q = [r.randint(0, 70) for _ in range(bsz)]
             lens_kv = [q + r.randint(0, 300) for q in lens_q]
             case = make_case(
-                100 + i, lens_q=lens_q, lens_kv=lens_kv, hq=8, hkv=2, page_size=page_size, dtype=F16,
-                offsets=r.choice(["none", "tokens"]), gaps=True, lse_layout=r.choice(["padded", "packed"]),
-                max_q=max(lens_q + [1]) + r.randint(0, 9), max_kv=max(lens_kv + [1]) + r.randint(0, 99),
-                extra_table_cols=r.randint(0, 5), with_out=r.random() < 0.5,
+                100 + i,
+                lens_q=lens_q,
+                lens_kv=lens_kv,
+                hq=8,
+                hkv=2,
+                page_size=page_size,
+                dtype=F16,
+                offsets=r.choice(["none", "tokens"]),
+                gaps=True,
+                lse_layout=r.choice(["padded", "packed"]),
+                max_q=max(lens_q + [1]) + r.randint(0, 9),
+                max_kv=max(lens_kv + [1]) + r.randint(0, 99),
+                extra_table_cols=r.randint(0, 5),
+                with_out=r.random() < 0.5,
                 window_left=r.choice([5, 70]) if i % 2 else -1,  # (its width is a runtime argument)
-            )  # fmt: skip
+            )
             keys.update(_kernel_keys(case))
     assert len(keys) == 2, f"{len(keys)} different compile keys over 30 calls (expected: window or not)"
 
@@ -427,8 +502,9 @@ def test_compiles_for_sm90_without_heavy_spills(tmp_path):
     script = _AOT_SCRIPT.format(tests=str(ROOT / "tests"), specs=AOT_SPECS)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT / "tests",
-                         timeout=900)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT / "tests", timeout=900
+    )
     assert res.returncode == 0, res.stderr[-4000:]
     results = [line for line in res.stdout.splitlines() if line.startswith("RESULT")]
     assert len(results) == len(AOT_SPECS) + 1, res.stdout  # + the merge kernel of the split case
@@ -461,8 +537,19 @@ def test_gpu_head_dims_and_dtypes(dims, kind, page_size):
     dqk, dvo = dims
     q_dt = {"bf16": BF16, "fp16": F16, "fp8kv": BF16, "fp8": torch.float8_e4m3fn}[kind]
     kv_dt = torch.float8_e4m3fn if kind.startswith("fp8") else q_dt
-    case = make_case(310, lens_q=[130, 1, 77], lens_kv=[400, 300, 77], hq=56, hkv=8, dqk=dqk, dvo=dvo,
-                     page_size=page_size, dtype=q_dt, kv_dtype=kv_dt, device="cuda")  # fmt: skip
+    case = make_case(
+        310,
+        lens_q=[130, 1, 77],
+        lens_kv=[400, 300, 77],
+        hq=56,
+        hkv=8,
+        dqk=dqk,
+        dvo=dvo,
+        page_size=page_size,
+        dtype=q_dt,
+        kv_dtype=kv_dt,
+        device="cuda",
+    )
     run_and_check(case, atol_for(q_dt, kv_dt))
 
 
@@ -470,8 +557,19 @@ def test_gpu_head_dims_and_dtypes(dims, kind, page_size):
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_long_sequences(dtype, causal):
-    case = make_case(300, lens_q=[1100, 37, 1500], lens_kv=[3300, 37, 3900], hq=16, hkv=4, dqk=128, page_size=16,
-                     dtype=dtype, causal=causal, device="cuda", workspace_bytes=1 << 26)  # fmt: skip
+    case = make_case(
+        300,
+        lens_q=[1100, 37, 1500],
+        lens_kv=[3300, 37, 3900],
+        hq=16,
+        hkv=4,
+        dqk=128,
+        page_size=16,
+        dtype=dtype,
+        causal=causal,
+        device="cuda",
+        workspace_bytes=1 << 26,
+    )
     out, lse = call(case)
     check_sampled(case, out, lse, atol=atol_for(dtype), per_seq=40)
 
@@ -480,8 +578,18 @@ def test_gpu_long_sequences(dtype, causal):
 @pytest.mark.parametrize("dtype", [BF16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 def test_gpu_split_kv_auto(dtype):
     """Short queries over a long prefix: the automatic policy splits the KV range."""
-    case = make_case(330, lens_q=[7, 1], lens_kv=[8000, 5000], hq=8, hkv=1, dqk=128, page_size=16, dtype=dtype,
-                     device="cuda", workspace_bytes=1 << 26)  # fmt: skip
+    case = make_case(
+        330,
+        lens_q=[7, 1],
+        lens_kv=[8000, 5000],
+        hq=8,
+        hkv=1,
+        dqk=128,
+        page_size=16,
+        dtype=dtype,
+        device="cuda",
+        workspace_bytes=1 << 26,
+    )
     assert fa2.choose_splits(batch_of(case), fa2.choose_config(batch_of(case)), 1 << 26) > 1
     run_and_check(case, atol_for(dtype))
 
@@ -489,9 +597,25 @@ def test_gpu_split_kv_auto(dtype):
 def graph_case(seed, lens_q, lens_kv, max_q, max_kv, page_size, dtype, hq=8, hkv=2, **kw):
     """A CUDA-graph-mode case whose tensor shapes depend only on (B, max_q, max_kv, page_size)."""
     bsz = len(lens_q)
-    case = make_case(seed, lens_q=[max_q] * bsz, lens_kv=[max_kv] * bsz, hq=hq, hkv=hkv, dqk=128,
-                     page_size=page_size, dtype=dtype, max_q=max_q, max_kv=max_kv, lens_on_device=True, device="cuda",
-                     offsets="tokens", lse_layout="padded", extra_table_cols=0, workspace_bytes=1 << 26, **kw)  # fmt: skip
+    case = make_case(
+        seed,
+        lens_q=[max_q] * bsz,
+        lens_kv=[max_kv] * bsz,
+        hq=hq,
+        hkv=hkv,
+        dqk=128,
+        page_size=page_size,
+        dtype=dtype,
+        max_q=max_q,
+        max_kv=max_kv,
+        lens_on_device=True,
+        device="cuda",
+        offsets="tokens",
+        lse_layout="padded",
+        extra_table_cols=0,
+        workspace_bytes=1 << 26,
+        **kw,
+    )
     case.lens_q, case.lens_kv = list(lens_q), list(lens_kv)  # sized for the maxima, shorter inside
     case.kwargs["actual_seq_lens_q"].copy_(torch.tensor(lens_q, dtype=torch.int32))
     case.kwargs["actual_seq_lens_kv"].copy_(torch.tensor(lens_kv, dtype=torch.int32))
@@ -500,8 +624,9 @@ def graph_case(seed, lens_q, lens_kv, max_q, max_kv, page_size, dtype, hq=8, hkv
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page_size,splits,variant", [(16, 1, "none"), (1, 4, "none"), (0, 1, "none"),
-                                                     (16, 1, "window"), (16, 4, "sinks")])  # fmt: skip
+@pytest.mark.parametrize(
+    "page_size,splits,variant", [(16, 1, "none"), (1, 4, "none"), (0, 1, "none"), (16, 1, "window"), (16, 4, "sinks")]
+)
 def test_gpu_cuda_graph_replay(page_size, splits, variant):
     """Capture once, then change lengths, offsets, tables and data in place and replay."""
     r = random.Random(page_size * 10 + splits)
@@ -546,10 +671,24 @@ def test_gpu_no_recompilation():
         bsz = r.randint(1, 3) if split else r.randint(4, 12)
         lens_q = [r.randint(1, 8) if split else r.randint(1100, 1300) for _ in range(bsz)]
         lens_kv = [q + r.randint(1500, 2000) for q in lens_q]
-        case = make_case(seed, lens_q=lens_q, lens_kv=lens_kv, hq=8, hkv=2, dqk=128, page_size=16, dtype=BF16,
-                         offsets=r.choice(["none", "tokens"]), gaps=True, lse_layout=r.choice(["padded", "packed"]),
-                         max_q=max(lens_q) + r.randint(0, 50), max_kv=max(lens_kv) + r.randint(1024, 1500),
-                         extra_table_cols=r.randint(0, 4), device="cuda", workspace_bytes=1 << 26)  # fmt: skip
+        case = make_case(
+            seed,
+            lens_q=lens_q,
+            lens_kv=lens_kv,
+            hq=8,
+            hkv=2,
+            dqk=128,
+            page_size=16,
+            dtype=BF16,
+            offsets=r.choice(["none", "tokens"]),
+            gaps=True,
+            lse_layout=r.choice(["padded", "packed"]),
+            max_q=max(lens_q) + r.randint(0, 50),
+            max_kv=max(lens_kv) + r.randint(1024, 1500),
+            extra_table_cols=r.randint(0, 4),
+            device="cuda",
+            workspace_bytes=1 << 26,
+        )
         batch = batch_of(case)
         assert (fa2.choose_splits(batch, fa2.choose_config(batch), 1 << 26) > 1) == split
         out, lse = call(case)
@@ -584,12 +723,24 @@ def test_gpu_no_host_sync(mode):
     out, lse = pagedprefill.cudnn_batch_prefill_with_kv_cache(**case.kwargs, backend="triton")  # compile
     kw = case.kwargs
     p = pagedprefill.plan(
-        kw["workspace_buffer"], num_qo_heads=8, num_kv_heads=2, head_dim_qk=128, page_size=16,
-        actual_seq_lens_q=kw["actual_seq_lens_q"], actual_seq_lens_kv=kw["actual_seq_lens_kv"],
-        max_token_per_sequence=40, max_sequence_kv=256, block_tables=kw["block_tables"], causal=True,
-        scale=kw["scale"], batch_offsets_q=kw["batch_offsets_q"], batch_offsets_o=kw["batch_offsets_o"],
-        batch_offsets_units="tokens", return_lse=True, backend="triton",
-    )  # fmt: skip
+        kw["workspace_buffer"],
+        num_qo_heads=8,
+        num_kv_heads=2,
+        head_dim_qk=128,
+        page_size=16,
+        actual_seq_lens_q=kw["actual_seq_lens_q"],
+        actual_seq_lens_kv=kw["actual_seq_lens_kv"],
+        max_token_per_sequence=40,
+        max_sequence_kv=256,
+        block_tables=kw["block_tables"],
+        causal=True,
+        scale=kw["scale"],
+        batch_offsets_q=kw["batch_offsets_q"],
+        batch_offsets_o=kw["batch_offsets_o"],
+        batch_offsets_units="tokens",
+        return_lse=True,
+        backend="triton",
+    )
     p.run(kw["q"], kw["k_cache"], kw["v_cache"], kw["out"], kw["lse"])
     kw["out"].fill_(float("nan"))
     kw["lse"].fill_(float("nan"))
@@ -634,4 +785,3 @@ def test_gpu_random_grid_long_variants():
         case = make_case(800 + seed, **params, workspace_bytes=1 << 26)
         out, lse = call(case)
         check_sampled(case, out, lse, atol=2.5e-2, per_seq=20)
-

@@ -243,12 +243,7 @@ def test_cpu_triton_under_the_interpreter_uses_fp16(tmp_path, capsys):
     cap = capsys.readouterr()
     assert rc == 0, cap.out + cap.err
     (row,) = _rows(out)
-    assert (
-        row["dtype"] == "fp16"
-        and row["data"] == "fp16"
-        and row["ok"] is True
-        and row["served_by"] == "triton"
-    )
+    assert row["dtype"] == "fp16" and row["data"] == "fp16" and row["ok"] is True and row["served_by"] == "triton"
     assert "CPU figures" in cap.out
 
 
@@ -321,13 +316,9 @@ def test_fa3_missing_is_a_skip_with_the_reason(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(references, "_FA3", {})
     fn, why = references.fa3_status()
     assert fn is None
-    assert (
-        "fa3_fwd_interface" in why and "flash_attn_interface" in why and "pip install fa3-fwd==0.0.3" in why
-    )
+    assert "fa3_fwd_interface" in why and "flash_attn_interface" in why and "pip install fa3-fwd==0.0.3" in why
     out = tmp_path / "r.json"
-    rc = cli.main(
-        [*FAST, "--workloads", "cpu_b2_q64_p64", "--backends", "torch,fa3-varlen", "--out-json", str(out)]
-    )
+    rc = cli.main([*FAST, "--workloads", "cpu_b2_q64_p64", "--backends", "torch,fa3-varlen", "--out-json", str(out)])
     text = capsys.readouterr().out
     assert rc == 0  # the benchmark still runs
     fa3 = next(r for r in _rows(out) if r["backend"] == "fa3-varlen")
@@ -382,10 +373,19 @@ def test_summary_table_ratios_to_cudnn_and_fa3_and_geomean():
     ]
     headers, rows = tables.summary_table(results, ["cudnn", "triton", "fa3-varlen"])
     assert headers == [
-        ("", "workload"), ("", "GFLOP"), ("cudnn", "TF/s"), ("cudnn", "×FA3"), ("cudnn", "host µs"),
-        ("triton", "TF/s"), ("triton", "×cuDNN"), ("triton", "×FA3"), ("triton", "host µs"),
-        ("fa3-varlen", "TF/s"), ("fa3-varlen", "×cuDNN"), ("fa3-varlen", "host µs"),
-    ]  # fmt: skip
+        ("", "workload"),
+        ("", "GFLOP"),
+        ("cudnn", "TF/s"),
+        ("cudnn", "×FA3"),
+        ("cudnn", "host µs"),
+        ("triton", "TF/s"),
+        ("triton", "×cuDNN"),
+        ("triton", "×FA3"),
+        ("triton", "host µs"),
+        ("fa3-varlen", "TF/s"),
+        ("fa3-varlen", "×cuDNN"),
+        ("fa3-varlen", "host µs"),
+    ]
     a, b, c, g = rows
     assert a[0] == "a" and a[3] == "0.25" and a[6] == "2.00" and a[7] == "0.50" and a[10] == "4.00"
     assert b[0] == "b [fp8]" and b[2] == "10.0 (bf16)" and b[5] == "5.0" and b[6] == "0.50" and b[7] == "0.25"
@@ -424,9 +424,7 @@ def test_first_call_grows_workspace(monkeypatch):
     def fake(**kw):
         calls.append(kw["workspace_buffer"].numel())
         if kw["workspace_buffer"].numel() < 3 * 2**20:
-            raise ValueError(
-                "workspace_buffer: expected at least 3000000 bytes for this call (...), got 16 bytes"
-            )
+            raise ValueError("workspace_buffer: expected at least 3000000 bytes for this call (...), got 16 bytes")
         return real(**kw)
 
     monkeypatch.setattr(cases, "prefill", fake)
@@ -461,9 +459,7 @@ def test_error_in_backend_is_reported_not_fatal(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(cases, "prefill", fake)
     out = tmp_path / "r.json"
-    rc = cli.main(
-        [*FAST, "--workloads", "cpu_b2_q64_p64", "--backends", "auto,torch", "--out-json", str(out)]
-    )
+    rc = cli.main([*FAST, "--workloads", "cpu_b2_q64_p64", "--backends", "auto,torch", "--out-json", str(out)])
     cap = capsys.readouterr()
     assert rc == 1
     assert "kernel exploded" in cap.out
@@ -526,9 +522,9 @@ def test_list(capsys):
 
 def test_entry_points_are_the_new_main():
     tomllib = pytest.importorskip("tomllib")
-    scripts = tomllib.loads(Path(__file__).resolve().parents[1].joinpath("pyproject.toml").read_text())[
-        "project"
-    ]["scripts"]
+    scripts = tomllib.loads(Path(__file__).resolve().parents[1].joinpath("pyproject.toml").read_text())["project"][
+        "scripts"
+    ]
     assert scripts["pagedprefill-bench"] == "pagedprefill.bench.cli:main"
     assert scripts["pagedprefill-demo"] == "pagedprefill.demo:main"
     import pagedprefill.bench
@@ -541,9 +537,13 @@ def test_python_dash_m_entry_point(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     args = ["--device", "cpu", "--workloads", "cpu_ragged_b2_q64_p64", "--reps", "1", "--out-json", str(out)]
     proc = subprocess.run(
-        [sys.executable, "-m", "pagedprefill.bench", *args], capture_output=True, text=True, timeout=120,
-        env=env, cwd=tmp_path,
-    )  # fmt: skip
+        [sys.executable, "-m", "pagedprefill.bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert _rows(out)[0]["workload"] == "cpu_ragged_b2_q64_p64"
     assert "[1/1] cpu_ragged_b2_q64_p64 torch ..." in proc.stderr and "[1/1]" not in proc.stdout
@@ -563,9 +563,11 @@ def test_layers_mode_cpu(tmp_path, capsys):
     assert rc == 0, cap.out + cap.err
     rows = _rows(out)
     assert [(r["case"], r["api"]) for r in rows] == [
-        ("cpu_b4_q16", "plan.run"), ("cpu_b4_q16", "one-shot"),
-        ("cpu_ragged_b3_devoffsets", "plan.run"), ("cpu_ragged_b3_devoffsets", "one-shot"),
-    ]  # fmt: skip
+        ("cpu_b4_q16", "plan.run"),
+        ("cpu_b4_q16", "one-shot"),
+        ("cpu_ragged_b3_devoffsets", "plan.run"),
+        ("cpu_ragged_b3_devoffsets", "one-shot"),
+    ]
     for r in rows:
         assert r["backend"] == "torch" and r["layers"] == 2 and r["ok"] is True and r["served_by"] == "torch"
         assert r["host_us"] > 0 and r["wall_us"] > 0 and r["device_us"] is None  # no device time on the CPU
@@ -580,9 +582,18 @@ def test_layers_mode_cpu(tmp_path, capsys):
 def test_layers_table_ratios_and_geomean():
     def row(case, be, api, wall):
         return {
-            "case": case, "backend": be, "api": api, "host_us": 10.0, "wall_us": wall, "device_us": wall / 2,
-            "wall_over_device": 2.0, "tflops": 1.0, "ok": True, "rel_err": 0.0, "preload_ok": True,
-        }  # fmt: skip
+            "case": case,
+            "backend": be,
+            "api": api,
+            "host_us": 10.0,
+            "wall_us": wall,
+            "device_us": wall / 2,
+            "wall_over_device": 2.0,
+            "tflops": 1.0,
+            "ok": True,
+            "rel_err": 0.0,
+            "preload_ok": True,
+        }
 
     walls = {"a": (100.0, 50.0, 80.0), "b": (100.0, 200.0, 100.0)}  # cudnn, triton, FA3
     results = []
@@ -598,9 +609,7 @@ def test_layers_table_ratios_and_geomean():
 
 
 def test_layer_batch_has_distinct_layers_over_one_cache():
-    lb = layers.LayerBatch(
-        layers.known_cases()["cpu_ragged_b3_devoffsets"], 3, torch.device("cpu"), torch.float32, 0
-    )
+    lb = layers.LayerBatch(layers.known_cases()["cpu_ragged_b3_devoffsets"], 3, torch.device("cpu"), torch.float32, 0)
     assert len({t.data_ptr() for t in lb.q}) == 3 and len({t.data_ptr() for t in lb.out}) == 3
     assert not torch.equal(lb.q[0], lb.q[1])
     kw0, kw2 = lb.layer_kwargs(0), lb.layer_kwargs(2)

@@ -38,8 +38,13 @@ def test_the_hopper_kernel_goes_first_wherever_it_serves(hopper):
 
 def test_what_cudnn_cannot_do_well_or_at_all_goes_to_triton(hopper):
     hopper["value"] = False
-    for kw in (dict(page_size=1), dict(page_size=8), dict(kv_dtype=torch.float8_e4m3fn),
-               dict(dtype=torch.float8_e5m2, kv_dtype=torch.float8_e5m2), dict(logits_soft_cap=30.0)):  # fmt: skip
+    for kw in (
+        dict(page_size=1),
+        dict(page_size=8),
+        dict(kv_dtype=torch.float8_e4m3fn),
+        dict(dtype=torch.float8_e5m2, kv_dtype=torch.float8_e5m2),
+        dict(logits_soft_cap=30.0),
+    ):
         assert dispatch.auto_order(_cuda_batch(**kw))[0] == "triton", kw
 
 
@@ -70,7 +75,16 @@ def test_last_backend_reports_what_auto_picked_on_cpu():
     k = torch.randn(3, 1, 16)
     ws = torch.empty(4096, dtype=torch.uint8)
     pagedprefill.batch_prefill_with_kv_cache(
-        q, k, k, 0.25, ws, max_token_per_sequence=3, max_sequence_kv=3, actual_seq_lens_q=torch.tensor([3]),
-        actual_seq_lens_kv=torch.tensor([3]), causal=True, return_lse=False,
-    )  # fmt: skip
+        q,
+        k,
+        k,
+        0.25,
+        ws,
+        max_token_per_sequence=3,
+        max_sequence_kv=3,
+        actual_seq_lens_q=torch.tensor([3]),
+        actual_seq_lens_kv=torch.tensor([3]),
+        causal=True,
+        return_lse=False,
+    )
     assert pagedprefill.last_backend() == "torch"

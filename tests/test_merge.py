@@ -79,21 +79,33 @@ def test_merging_two_key_ranges_equals_attention_over_both(backend):
     """Non-causal attention of the same queries over keys [0, a) and over [a, n), merged, is attention
     over [0, n) (the split-KV / cascade identity), checked against the oracle."""
     dtype = torch.float32 if backend == "torch" else torch.bfloat16
-    full = make_case(3, lens_q=[9, 4], lens_kv=[40, 23], hq=4, hkv=2, dqk=64, page_size=0, causal=False,
-                     dtype=dtype, device=DEVICE, with_out=False)  # fmt: skip
+    full = make_case(
+        3,
+        lens_q=[9, 4],
+        lens_kv=[40, 23],
+        hq=4,
+        hkv=2,
+        dqk=64,
+        page_size=0,
+        causal=False,
+        dtype=dtype,
+        device=DEVICE,
+        with_out=False,
+    )
     kw = full.kwargs
     k, v = kw["k_cache"], kw["v_cache"]
     starts, split = [0, 40], [17, 9]
     parts = []
     for lo_hi in (0, 1):
         ks, vs_, lens = [], [], []
-        for b, (s0, n, a) in enumerate(zip(starts, full.lens_kv, split)):
+        for s0, n, a in zip(starts, full.lens_kv, split):
             lo, hi = (s0, s0 + a) if lo_hi == 0 else (s0 + a, s0 + n)
             ks.append(k[lo:hi])
             vs_.append(v[lo:hi])
             lens.append(hi - lo)
-        part = dict(kw, k_cache=torch.cat(ks), v_cache=torch.cat(vs_),
-                    actual_seq_lens_kv=torch.tensor(lens, dtype=torch.int32))  # fmt: skip
+        part = dict(
+            kw, k_cache=torch.cat(ks), v_cache=torch.cat(vs_), actual_seq_lens_kv=torch.tensor(lens, dtype=torch.int32)
+        )
         parts.append(pagedprefill.cudnn_batch_prefill_with_kv_cache(**part, backend=backend))
     (o1, l1), (o2, l2) = parts
     rows = torch.cat([torch.arange(0, 9), torch.arange(9, 13)])

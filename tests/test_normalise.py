@@ -21,8 +21,10 @@ from pagedprefill import (
     BackendUnavailableError,
     batch_prefill_with_kv_cache,
     cudnn_batch_prefill_with_kv_cache,
+    dispatch,
+    normalise,
+    tuning,
 )
-from pagedprefill import dispatch, normalise, tuning
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -45,9 +47,7 @@ def as_bytes(t: torch.Tensor) -> bytes:
 def base_case(page_size: int = PS, bits: bool = True, **kw):
     """The standard small case; ``bits``: poison out / lse with random bytes (else NaN, as the oracle's
     check expects)."""
-    opts = dict(
-        lens_q=LENS_Q, lens_kv=LENS_KV, hq=HQ, hkv=HKV, dqk=D, page_size=page_size, extra_table_cols=0
-    )
+    opts = dict(lens_q=LENS_Q, lens_kv=LENS_KV, hq=HQ, hkv=HKV, dqk=D, page_size=page_size, extra_table_cols=0)
     opts.update(kw)
     case = make_case(77, **opts)
     if bits and "out" in case.kwargs:
@@ -199,9 +199,7 @@ def test_q_wrong_dtype(dtype):
 
 def test_k_dtype_differs_from_q():
     kw = paged()
-    expect_value_error(
-        with_(kw, k_cache=kw["k_cache"].half(), v_cache=kw["v_cache"].half()), "k_cache", "dtype"
-    )
+    expect_value_error(with_(kw, k_cache=kw["k_cache"].half(), v_cache=kw["v_cache"].half()), "k_cache", "dtype")
 
 
 def test_v_dtype_differs_from_k():
@@ -267,9 +265,7 @@ def test_missing_lengths(arg):
 
 
 def test_lengths_of_wrong_batch_size():
-    expect_value_error(
-        with_(paged(), actual_seq_lens_kv=torch.tensor([6, 9, 1])), "actual_seq_lens_kv", "2 entries"
-    )
+    expect_value_error(with_(paged(), actual_seq_lens_kv=torch.tensor([6, 9, 1])), "actual_seq_lens_kv", "2 entries")
 
 
 @pytest.mark.parametrize("arg", ["actual_seq_lens_q", "actual_seq_lens_kv"])
@@ -281,9 +277,7 @@ def test_lengths_float_dtype(arg):
 @pytest.mark.parametrize("shape", [(2, 2), (2, 1, 1), (1, 2)])
 def test_lengths_wrong_shape(shape):
     kw = paged()
-    expect_value_error(
-        with_(kw, actual_seq_lens_q=torch.ones(shape, dtype=torch.int32)), "actual_seq_lens_q", "shape"
-    )
+    expect_value_error(with_(kw, actual_seq_lens_q=torch.ones(shape, dtype=torch.int32)), "actual_seq_lens_q", "shape")
 
 
 @pytest.mark.parametrize("arg", ["actual_seq_lens_q", "actual_seq_lens_kv"])
@@ -356,9 +350,7 @@ def test_ragged_kv_offsets_of_wrong_length(name):
     expect_value_error(with_(kw, **{key: kw[key][:-1]}), key, f"{B + 1} entries")
 
 
-@pytest.mark.parametrize(
-    "name,unit", [("q", HQ * D), ("o", HQ * D), ("k", HKV * D), ("v", HKV * D), ("stats", HQ)]
-)
+@pytest.mark.parametrize("name,unit", [("q", HQ * D), ("o", HQ * D), ("k", HKV * D), ("v", HKV * D), ("stats", HQ)])
 def test_element_offsets_not_whole_tokens(name, unit):
     kw = ragged(offsets="elements", gaps=True, lse_layout="packed")
     key = f"batch_offsets_{name}"
@@ -536,9 +528,7 @@ def test_unknown_backend_lists_the_choices(bad):
 
 
 def test_unknown_batch_offsets_units():
-    msg = expect_value_error(
-        with_(paged(offsets="tokens"), batch_offsets_units="bytes"), "batch_offsets_units"
-    )
+    msg = expect_value_error(with_(paged(offsets="tokens"), batch_offsets_units="bytes"), "batch_offsets_units")
     assert "elements" in msg and "tokens" in msg and "bytes" in msg
 
 
@@ -546,9 +536,7 @@ def test_unknown_batch_offsets_units():
 def test_gpu_backend_on_cpu_is_unavailable_and_says_why(name, monkeypatch):
     assert importlib.util.find_spec(f"pagedprefill.backends.{name}") is not None
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    msg = expect_error(
-        with_(paged(), backend=name), rf"backend={name!r} is unavailable: \S", BackendUnavailableError
-    )
+    msg = expect_error(with_(paged(), backend=name), rf"backend={name!r} is unavailable: \S", BackendUnavailableError)
     reason = msg.split("unavailable:", 1)[1].lower()
     assert any(w in reason for w in ("gpu", "cuda", "not importable", "not installed", "pip install")), msg
 
@@ -596,7 +584,9 @@ def test_paged_batch_offsets_k_v_are_refused(name, value):
 
 def test_stats_offsets_or_lse_without_return_lse_are_refused():
     case = base_case(lse_layout="packed")
-    expect_value_error(with_(case.kwargs, return_lse=False, lse=None), "batch_offsets_stats", "None when return_lse=False")
+    expect_value_error(
+        with_(case.kwargs, return_lse=False, lse=None), "batch_offsets_stats", "None when return_lse=False"
+    )
     case = base_case()
     expect_value_error(with_(case.kwargs, return_lse=False), "lse", "None when return_lse=False")
 
@@ -629,13 +619,23 @@ def _sequences(case):
     q, k, v, shape = normalise.layer_tensors(kw["q"], kw["k_cache"], kw["v_cache"], kw.get("block_tables") is not None)
     offsets = {n: kw.get(f"batch_offsets_{n}") for n in normalise.OFFSET_NAMES}
     seq, _, pages = normalise.sequences(
-        device=q.device, num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads,
-        head_dim_qk=shape.head_dim_qk, head_dim_vo=shape.head_dim_vo, page_size=shape.page_size,
-        actual_seq_lens_q=kw["actual_seq_lens_q"], actual_seq_lens_kv=kw["actual_seq_lens_kv"],
-        max_token_per_sequence=kw["max_token_per_sequence"], max_sequence_kv=kw["max_sequence_kv"],
-        block_tables=kw.get("block_tables"), offsets=offsets, batch_offsets_units=kw.get("batch_offsets_units", "elements"),
-        scale=kw["scale"], causal=kw["causal"], return_lse=kw["return_lse"],
-    )  # fmt: skip
+        device=q.device,
+        num_qo_heads=shape.num_qo_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim_qk=shape.head_dim_qk,
+        head_dim_vo=shape.head_dim_vo,
+        page_size=shape.page_size,
+        actual_seq_lens_q=kw["actual_seq_lens_q"],
+        actual_seq_lens_kv=kw["actual_seq_lens_kv"],
+        max_token_per_sequence=kw["max_token_per_sequence"],
+        max_sequence_kv=kw["max_sequence_kv"],
+        block_tables=kw.get("block_tables"),
+        offsets=offsets,
+        batch_offsets_units=kw.get("batch_offsets_units", "elements"),
+        scale=kw["scale"],
+        causal=kw["causal"],
+        return_lse=kw["return_lse"],
+    )
     return seq, pages
 
 
@@ -666,7 +666,9 @@ def test_host_metadata_matches_the_layout(opts):
     if case.lse_start is not None:
         assert seq.lse == "packed" and list(h.lse_start) == case.lse_start
     else:
-        assert seq.lse == "padded" and list(h.lse_start) == [b * case.kwargs["max_token_per_sequence"] * 4 for b in range(3)]
+        assert seq.lse == "padded" and list(h.lse_start) == [
+            b * case.kwargs["max_token_per_sequence"] * 4 for b in range(3)
+        ]
     assert (seq.num_qo_heads, seq.num_kv_heads) == (4, 2)
 
 

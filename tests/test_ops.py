@@ -52,11 +52,34 @@ def test_opcheck():
     case = _case(41, page_size=4, lens_q=[3, 2], lens_kv=[5, 4])
     kw = case.kwargs
     args = (
-        kw["q"], kw["k_cache"], kw["v_cache"], kw["scale"], kw["workspace_buffer"],
-        kw["max_token_per_sequence"], kw["max_sequence_kv"], kw["actual_seq_lens_q"],
-        kw["actual_seq_lens_kv"], kw["block_tables"], kw["causal"], None, None, None,
-        None, None, None, None, None, "elements", kw["out"], kw["lse"], False, "auto", -1, 0.0, None,
-    )  # fmt: skip
+        kw["q"],
+        kw["k_cache"],
+        kw["v_cache"],
+        kw["scale"],
+        kw["workspace_buffer"],
+        kw["max_token_per_sequence"],
+        kw["max_sequence_kv"],
+        kw["actual_seq_lens_q"],
+        kw["actual_seq_lens_kv"],
+        kw["block_tables"],
+        kw["causal"],
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        "elements",
+        kw["out"],
+        kw["lse"],
+        False,
+        "auto",
+        -1,
+        0.0,
+        None,
+    )
     torch.library.opcheck(torch.ops.pagedprefill.batch_prefill.default, args)
 
 
@@ -79,12 +102,21 @@ def test_plan_run_compiled_fullgraph_matches_oracle():
     case = _case(61, page_size=4, lse_layout="padded")
     kw = case.kwargs
     p = pagedprefill.plan(
-        kw["workspace_buffer"], num_qo_heads=4, num_kv_heads=2, head_dim_qk=64, page_size=4,
-        actual_seq_lens_q=kw["actual_seq_lens_q"], actual_seq_lens_kv=kw["actual_seq_lens_kv"],
-        max_token_per_sequence=kw["max_token_per_sequence"], max_sequence_kv=kw["max_sequence_kv"],
-        block_tables=kw["block_tables"], causal=True, scale=kw["scale"], return_lse=True,
+        kw["workspace_buffer"],
+        num_qo_heads=4,
+        num_kv_heads=2,
+        head_dim_qk=64,
+        page_size=4,
+        actual_seq_lens_q=kw["actual_seq_lens_q"],
+        actual_seq_lens_kv=kw["actual_seq_lens_kv"],
+        max_token_per_sequence=kw["max_token_per_sequence"],
+        max_sequence_kv=kw["max_sequence_kv"],
+        block_tables=kw["block_tables"],
+        causal=True,
+        scale=kw["scale"],
+        return_lse=True,
         backend="torch" if DEVICE == "cpu" else "auto",
-    )  # fmt: skip
+    )
 
     @torch.compile(fullgraph=True, backend="aot_eager")
     def layer(q, k, v, out, lse):

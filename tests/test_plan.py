@@ -21,12 +21,21 @@ def plan_of(case, backend="torch", csr=False, **over):
     q, k, v = kw["q"], kw["k_cache"], kw["v_cache"]
     paged = kw.get("block_tables") is not None
     args = dict(
-        num_qo_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim_qk=q.shape[2], head_dim_vo=v.shape[-1],
-        page_size=k.shape[2] if paged else 0, actual_seq_lens_q=kw["actual_seq_lens_q"],
-        max_token_per_sequence=kw["max_token_per_sequence"], max_sequence_kv=kw["max_sequence_kv"],
-        causal=kw["causal"], scale=kw["scale"], return_lse=kw["return_lse"], backend=backend,
-        window_left=kw.get("window_left", -1), logits_soft_cap=kw.get("logits_soft_cap", 0.0),
-    )  # fmt: skip
+        num_qo_heads=q.shape[1],
+        num_kv_heads=k.shape[1],
+        head_dim_qk=q.shape[2],
+        head_dim_vo=v.shape[-1],
+        page_size=k.shape[2] if paged else 0,
+        actual_seq_lens_q=kw["actual_seq_lens_q"],
+        max_token_per_sequence=kw["max_token_per_sequence"],
+        max_sequence_kv=kw["max_sequence_kv"],
+        causal=kw["causal"],
+        scale=kw["scale"],
+        return_lse=kw["return_lse"],
+        backend=backend,
+        window_left=kw.get("window_left", -1),
+        logits_soft_cap=kw.get("logits_soft_cap", 0.0),
+    )
     for n in ("q", "o", "k", "v", "stats"):
         if kw.get(f"batch_offsets_{n}") is not None:
             args[f"batch_offsets_{n}"] = kw[f"batch_offsets_{n}"]
@@ -54,17 +63,33 @@ def to_csr(case) -> dict:
         last.append(n - (pages - 1) * ps if pages else 0)
     dev = case.kwargs["block_tables"].device
     i32 = dict(dtype=torch.int32, device=dev)
-    return dict(kv_indptr=torch.tensor(indptr, **i32), kv_indices=torch.tensor(indices + [9] * 3, **i32),
-                kv_last_page_len=torch.tensor(last, **i32))  # fmt: skip
+    return dict(
+        kv_indptr=torch.tensor(indptr, **i32),
+        kv_indices=torch.tensor(indices + [9] * 3, **i32),
+        kv_last_page_len=torch.tensor(last, **i32),
+    )
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("page_size,offsets,lse_layout", [(3, "none", "padded"), (0, "tokens", "packed"),
-                                                          (16, "elements", "padded")])  # fmt: skip
+@pytest.mark.parametrize(
+    "page_size,offsets,lse_layout", [(3, "none", "padded"), (0, "tokens", "packed"), (16, "elements", "padded")]
+)
 def test_plan_once_run_per_layer_matches_the_oracle(backend, page_size, offsets, lse_layout):
     dtype = F16 if backend == "triton" else F32
-    case = make_case(5, lens_q=[7, 0, 12], lens_kv=[20, 3, 12], hq=6, hkv=2, dqk=32, page_size=page_size,
-                     dtype=dtype, offsets=offsets, gaps=True, lse_layout=lse_layout, device=DEVICE)  # fmt: skip
+    case = make_case(
+        5,
+        lens_q=[7, 0, 12],
+        lens_kv=[20, 3, 12],
+        hq=6,
+        hkv=2,
+        dqk=32,
+        page_size=page_size,
+        dtype=dtype,
+        offsets=offsets,
+        gaps=True,
+        lse_layout=lse_layout,
+        device=DEVICE,
+    )
     p = plan_of(case, backend)
     kw = case.kwargs
     for layer in range(3):
@@ -83,8 +108,9 @@ def test_plan_once_run_per_layer_matches_the_oracle(backend, page_size, offsets,
 def test_csr_pages_match_the_block_table(backend):
     """FlashInfer's kv_indptr / kv_indices / kv_last_page_len give the same result as the table."""
     dtype = F16 if backend == "triton" else F32
-    case = make_case(6, lens_q=[7, 3, 12, 1], lens_kv=[20, 0, 12, 30], hq=4, hkv=2, dqk=32, page_size=4,
-                     dtype=dtype, device=DEVICE)  # fmt: skip
+    case = make_case(
+        6, lens_q=[7, 3, 12, 1], lens_kv=[20, 0, 12, 30], hq=4, hkv=2, dqk=32, page_size=4, dtype=dtype, device=DEVICE
+    )
     p = plan_of(case, backend, csr=True)
     kw = case.kwargs
     out, lse = p.run(kw["q"], kw["k_cache"], kw["v_cache"], kw["out"], kw["lse"])
@@ -147,8 +173,9 @@ def test_plan_arguments_are_checked():
     with pytest.raises(ValueError, match="^actual_seq_lens_kv: expected lengths <= max_sequence_kv"):
         plan_of(case, max_sequence_kv=3)
     with pytest.raises(ValueError, match="^workspace_buffer: expected a torch.Tensor"):
-        pagedprefill.plan(bytearray(8), num_qo_heads=4, num_kv_heads=2, head_dim_qk=32,
-                          actual_seq_lens_q=torch.tensor([1]))  # fmt: skip
+        pagedprefill.plan(
+            bytearray(8), num_qo_heads=4, num_kv_heads=2, head_dim_qk=32, actual_seq_lens_q=torch.tensor([1])
+        )
 
 
 def test_plan_defaults_scale_and_maxima_from_host_lengths():
@@ -164,8 +191,18 @@ def test_plan_defaults_scale_and_maxima_from_host_lengths():
 @pytest.mark.parametrize("backend", ["triton", "cudnn"])
 @pytest.mark.parametrize("device_lengths", [False, True])
 def test_gpu_plan_run_every_backend(backend, device_lengths):
-    case = make_case(11, lens_q=[300, 0, 77, 5], lens_kv=[900, 30, 77, 500], hq=28, hkv=4, dqk=128,
-                     page_size=16, dtype=BF16, device="cuda", lens_on_device=device_lengths)  # fmt: skip
+    case = make_case(
+        11,
+        lens_q=[300, 0, 77, 5],
+        lens_kv=[900, 30, 77, 500],
+        hq=28,
+        hkv=4,
+        dqk=128,
+        page_size=16,
+        dtype=BF16,
+        device="cuda",
+        lens_on_device=device_lengths,
+    )
     p = plan_of(case, backend)
     kw = case.kwargs
     for _ in range(3):
@@ -196,4 +233,3 @@ def test_gpu_plan_captured_in_a_cuda_graph_follows_device_lengths():
         graph.replay()
         torch.cuda.synchronize()
         check(new, kw["out"], kw["lse"], atol=atol_for(BF16), lse_atol=2e-2)
-

@@ -119,9 +119,7 @@ def test_other_layouts_and_arguments_miss(normalise_calls):
     cudnn_batch_prefill_with_kv_cache(**dict(kw, causal=not kw["causal"]))
     cudnn_batch_prefill_with_kv_cache(**dict(kw, return_lse=False, lse=None))
     cudnn_batch_prefill_with_kv_cache(**dict(kw, out=None))
-    cudnn_batch_prefill_with_kv_cache(
-        **dict(kw, q=kw["q"].clone().transpose(0, 1).contiguous().transpose(0, 1))
-    )
+    cudnn_batch_prefill_with_kv_cache(**dict(kw, q=kw["q"].clone().transpose(0, 1).contiguous().transpose(0, 1)))
     assert len(normalise_calls) == 6
 
 
@@ -286,10 +284,20 @@ def test_gpu_serving_loop_device_memory_is_flat(backend):
         table = torch.randperm(pages, generator=gen, dtype=torch.int32)[: b * int(per.max())].view(b, -1)
         q = torch.randn(int(q_lens.sum()), hq, d, device="cuda", dtype=BF16)
         cudnn_batch_prefill_with_kv_cache(
-            q, k_cache, v_cache, d**-0.5, ws, max_token_per_sequence=int(q_lens.max()),
-            max_sequence_kv=int(kv_lens.max()), actual_seq_lens_q=q_lens, actual_seq_lens_kv=kv_lens,
-            block_tables=table.cuda(), causal=True, return_lse=True, backend=backend,
-        )  # fmt: skip
+            q,
+            k_cache,
+            v_cache,
+            d**-0.5,
+            ws,
+            max_token_per_sequence=int(q_lens.max()),
+            max_sequence_kv=int(kv_lens.max()),
+            actual_seq_lens_q=q_lens,
+            actual_seq_lens_kv=kv_lens,
+            block_tables=table.cuda(),
+            causal=True,
+            return_lse=True,
+            backend=backend,
+        )
 
     try:
         for _ in range(150):

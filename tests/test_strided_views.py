@@ -28,9 +28,16 @@ def test_fused_qkv_slice_and_padded_out(backend, page_size):
     dtype = torch.bfloat16 if HAS_CUDA else torch.float16 if backend == "triton" else torch.float32
     hq, hkv, d = 4, 2, 64
     case = make_case(
-        70 + page_size, lens_q=[9, 4, 13], lens_kv=[20, 4, 29], hq=hq, hkv=hkv, dqk=d,
-        page_size=page_size, dtype=dtype, device=DEVICE,
-    )  # fmt: skip
+        70 + page_size,
+        lens_q=[9, 4, 13],
+        lens_kv=[20, 4, 29],
+        hq=hq,
+        hkv=hkv,
+        dqk=d,
+        page_size=page_size,
+        dtype=dtype,
+        device=DEVICE,
+    )
     q = case.kwargs["q"]
     fused = torch.randn(q.shape[0], hq + 2 * hkv, d, dtype=torch.float32).to(dtype).to(DEVICE)
     fused[:, :hq] = q

@@ -42,11 +42,22 @@ def test_device_metadata_kernel_matches_its_torch_definition(seed):
         if rng.random() < 0.5 and not (pages and name in ("k", "v")):
             offsets[name] = _adversarial(rng, bsz + 1, 40 * 64, dt)
     bounds = metadata.Bounds(
-        max_q=8, max_kv=14, rows_q=rng.randint(0, 60), rows_o=rng.randint(0, 60), rows_k=rng.randint(0, 90),
-        rows_v=rng.randint(0, 90), lse_numel=rng.randint(0, 400), lse_mode=rng.choice([0, 1, 2]), pages=pages,
-        table_width=rng.randint(0, 5), table_stride=rng.randint(5, 9), num_indices=rng.randint(0, 50),
-        page_size=rng.choice([1, 4]), num_heads=4, units=dict(q=rng.choice([1, 64]), o=64, k=32, v=32, stats=4),
-    )  # fmt: skip
+        max_q=8,
+        max_kv=14,
+        rows_q=rng.randint(0, 60),
+        rows_o=rng.randint(0, 60),
+        rows_k=rng.randint(0, 90),
+        rows_v=rng.randint(0, 90),
+        lse_numel=rng.randint(0, 400),
+        lse_mode=rng.choice([0, 1, 2]),
+        pages=pages,
+        table_width=rng.randint(0, 5),
+        table_stride=rng.randint(5, 9),
+        num_indices=rng.randint(0, 50),
+        page_size=rng.choice([1, 4]),
+        num_heads=4,
+        units=dict(q=rng.choice([1, 64]), o=64, k=32, v=32, stats=4),
+    )
     if bounds.lse_mode == 2:  # (packed LSE rows are placed by stats offsets)
         offsets.setdefault("stats", _adversarial(rng, bsz + 1, 40 * 64, dt))
     else:
@@ -102,7 +113,9 @@ def test_a_workspace_in_use_by_another_thread_is_refused(monkeypatch):
     check(a, *results["a"], atol=2e-5)
     b.kwargs["out"].fill_(float("nan"))
     b.kwargs["lse"].fill_(float("nan"))
-    out, lse = pagedprefill.cudnn_batch_prefill_with_kv_cache(**dict(b.kwargs, workspace_buffer=shared), backend="torch")
+    out, lse = pagedprefill.cudnn_batch_prefill_with_kv_cache(
+        **dict(b.kwargs, workspace_buffer=shared), backend="torch"
+    )
     check(b, out, lse, atol=2e-5)
 
 

@@ -17,8 +17,18 @@ F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16
 
 
 def _case(seed=1, page_size=4, dtype=F32, **kw):
-    base = dict(lens_q=[7, 3, 12, 1], lens_kv=[21, 3, 12, 30], hq=6, hkv=2, dqk=32, page_size=page_size,
-                dtype=dtype, return_lse=False, with_out=False, device=DEVICE)  # fmt: skip
+    base = dict(
+        lens_q=[7, 3, 12, 1],
+        lens_kv=[21, 3, 12, 30],
+        hq=6,
+        hkv=2,
+        dqk=32,
+        page_size=page_size,
+        dtype=dtype,
+        return_lse=False,
+        with_out=False,
+        device=DEVICE,
+    )
     return make_case(seed, **{**base, **kw})
 
 
@@ -64,16 +74,31 @@ def test_paged_wrapper_matches_the_oracle(backend, kv_layout, packed_cache):
         if packed_cache:  # the (pages, 2, ps, Hkv, D) buffer that K and V are views of
             base = k.permute(0, 2, 1, 3)
             between = (v.data_ptr() - k.data_ptr()) // k.element_size()
-            cache = torch.as_strided(base, (base.shape[0], 2, *base.shape[1:]),
-                                     (base.stride(0), between, *base.stride()[1:]), base.storage_offset())  # fmt: skip
+            cache = torch.as_strided(
+                base,
+                (base.shape[0], 2, *base.shape[1:]),
+                (base.stride(0), between, *base.stride()[1:]),
+                base.storage_offset(),
+            )
             assert torch.equal(cache[:, 1], v.permute(0, 2, 1, 3))
     else:
         cache = torch.stack([k, v], 1) if packed_cache else (k, v)
     indptr, indices, last = _csr(case)
     ws = torch.empty(1 << 24, dtype=torch.uint8, device=DEVICE)
     w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(ws, kv_layout, backend=backend)
-    w.plan(_qo_indptr(case), indptr, indices, last, 6, 2, 32, 4, causal=kw["causal"], sm_scale=kw["scale"],
-           q_data_type=dtype)  # fmt: skip
+    w.plan(
+        _qo_indptr(case),
+        indptr,
+        indices,
+        last,
+        6,
+        2,
+        32,
+        4,
+        causal=kw["causal"],
+        sm_scale=kw["scale"],
+        q_data_type=dtype,
+    )
     for _ in range(2):
         out, lse = w.run(kw["q"], cache, return_lse=True)
         check(case, out, None, atol=atol_for(dtype))
@@ -126,22 +151,31 @@ def test_window_override_at_run():
 @pytest.mark.parametrize(
     "where, kwargs",
     [
-        ("plan", dict(pos_encoding_mode="ROPE_LLAMA")), ("plan", dict(custom_mask=torch.ones(3))),
-        ("plan", dict(use_fp16_qk_reduction=True)), ("plan", dict(rope_theta=1e4)),
-        ("plan", dict(fixed_split_size=64)), ("plan", dict(disable_split_kv=True)),
-        ("init", dict(jit_args=[1])), ("init", dict(custom_mask_buf=torch.ones(3))), ("init", dict(backend="fa3")),
-        ("run", dict(kv_cache_sf=torch.ones(3))), ("run", dict(enable_pdl=True)),
+        ("plan", dict(pos_encoding_mode="ROPE_LLAMA")),
+        ("plan", dict(custom_mask=torch.ones(3))),
+        ("plan", dict(use_fp16_qk_reduction=True)),
+        ("plan", dict(rope_theta=1e4)),
+        ("plan", dict(fixed_split_size=64)),
+        ("plan", dict(disable_split_kv=True)),
+        ("init", dict(jit_args=[1])),
+        ("init", dict(custom_mask_buf=torch.ones(3))),
+        ("init", dict(backend="fa3")),
+        ("run", dict(kv_cache_sf=torch.ones(3))),
+        ("run", dict(enable_pdl=True)),
     ],
-)  # fmt: skip
+)
 def test_unsupported_flashinfer_arguments_are_named(where, kwargs):
     case = _case()
     kw = case.kwargs
     indptr, indices, last = _csr(case)
     name = next(iter(kwargs))
     with pytest.raises(NotImplementedError, match=name):
-        w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(kw["workspace_buffer"], **(kwargs if where == "init" else {}))
-        w.plan(_qo_indptr(case), indptr, indices, last, 6, 2, 32, 4, q_data_type=F32,
-               **(kwargs if where == "plan" else {}))  # fmt: skip
+        w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(
+            kw["workspace_buffer"], **(kwargs if where == "init" else {})
+        )
+        w.plan(
+            _qo_indptr(case), indptr, indices, last, 6, 2, 32, 4, q_data_type=F32, **(kwargs if where == "plan" else {})
+        )
         k = kw["k_cache"].permute(0, 2, 1, 3)
         w.run(kw["q"], (k, kw["v_cache"].permute(0, 2, 1, 3)), **(kwargs if where == "run" else {}))
 
@@ -163,8 +197,19 @@ def test_run_checks_the_planned_dtypes_and_layout():
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["auto", "triton", "cudnn"])
 def test_gpu_paged_wrapper_every_backend(backend):
-    case = make_case(4, lens_q=[300, 5, 77], lens_kv=[900, 500, 77], hq=32, hkv=8, dqk=128, page_size=16,
-                     dtype=BF16, return_lse=False, with_out=False, device="cuda")  # fmt: skip
+    case = make_case(
+        4,
+        lens_q=[300, 5, 77],
+        lens_kv=[900, 500, 77],
+        hq=32,
+        hkv=8,
+        dqk=128,
+        page_size=16,
+        dtype=BF16,
+        return_lse=False,
+        with_out=False,
+        device="cuda",
+    )
     kw = case.kwargs
     indptr, indices, last = _csr(case)
     w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(kw["workspace_buffer"], "NHD", backend=backend)
@@ -183,13 +228,29 @@ def test_gpu_cuda_graph_wrapper_replays_after_replan():
     """use_cuda_graph: capture one run, re-plan with new lengths and pages (same batch size, within the
     first plan's bounds), replay: the right answer each time."""
     ws = torch.empty(1 << 26, dtype=torch.uint8, device="cuda")
-    cases = [make_case(10 + i, lens_q=lq, lens_kv=lkv, hq=8, hkv=2, dqk=128, page_size=16, dtype=BF16,
-                       return_lse=False, with_out=False, device="cuda")
-             for i, (lq, lkv) in enumerate([([40, 3], [300, 90]), ([12, 40], [100, 256]), ([0, 7], [5, 40])])]  # fmt: skip
+    cases = [
+        make_case(
+            10 + i,
+            lens_q=lq,
+            lens_kv=lkv,
+            hq=8,
+            hkv=2,
+            dqk=128,
+            page_size=16,
+            dtype=BF16,
+            return_lse=False,
+            with_out=False,
+            device="cuda",
+        )
+        for i, (lq, lkv) in enumerate([([40, 3], [300, 90]), ([12, 40], [100, 256]), ([0, 7], [5, 40])])
+    ]
     total_pages = max(c.kwargs["k_cache"].shape[0] for c in cases)
     w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(
-        ws, "HND", use_cuda_graph=True, paged_kv_indices_buf=torch.empty(total_pages, dtype=torch.int32, device="cuda"),
-    )  # fmt: skip
+        ws,
+        "HND",
+        use_cuda_graph=True,
+        paged_kv_indices_buf=torch.empty(total_pages, dtype=torch.int32, device="cuda"),
+    )
     rows = max(c.kwargs["q"].shape[0] for c in cases)
     q = torch.empty(rows, 8, 128, dtype=BF16, device="cuda")
     k = torch.empty(total_pages, 2, 16, 128, dtype=BF16, device="cuda")
@@ -198,8 +259,20 @@ def test_gpu_cuda_graph_wrapper_replays_after_replan():
 
     def load(c):
         indptr, indices, last = _csr(c)
-        w.plan(_qo_indptr(c), indptr, indices, last, 8, 2, 128, 16, causal=True, q_data_type=BF16,
-               max_token_per_sequence=40, max_sequence_kv=300)  # fmt: skip
+        w.plan(
+            _qo_indptr(c),
+            indptr,
+            indices,
+            last,
+            8,
+            2,
+            128,
+            16,
+            causal=True,
+            q_data_type=BF16,
+            max_token_per_sequence=40,
+            max_sequence_kv=300,
+        )
         kw = c.kwargs
         q[: kw["q"].shape[0]].copy_(kw["q"])
         k[: kw["k_cache"].shape[0]].copy_(kw["k_cache"])

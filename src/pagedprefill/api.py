@@ -105,9 +105,18 @@ def cudnn_batch_prefill_with_kv_cache(
     offsets = (batch_offsets_q, batch_offsets_o, batch_offsets_k, batch_offsets_v, batch_offsets_stats)
     scales = (q_scale, k_scale, v_scale)
     scalars = (
-        scale, max_token_per_sequence, max_sequence_kv, causal, return_lse, batch_offsets_units,
-        is_cuda_graph_compatible, backend, o_data_type, window_left, logits_soft_cap,
-    )  # fmt: skip
+        scale,
+        max_token_per_sequence,
+        max_sequence_kv,
+        causal,
+        return_lse,
+        batch_offsets_units,
+        is_cuda_graph_compatible,
+        backend,
+        o_data_type,
+        window_left,
+        logits_soft_cap,
+    )
     key = None
     if all(type(x) in _SCALAR_TYPES for x in scalars):
         key = plan_cache.signature(
@@ -119,11 +128,30 @@ def cudnn_batch_prefill_with_kv_cache(
     hit = plan_cache.get(key)
     if hit is None:
         p, lp, ws = _plan_call(
-            q, k_cache, v_cache, scale, workspace_buffer, max_token_per_sequence, max_sequence_kv,
-            actual_seq_lens_q, actual_seq_lens_kv, block_tables, causal, return_lse, scales, offsets,
-            batch_offsets_units, out, lse, is_cuda_graph_compatible, backend, o_data_type, window_left,
-            logits_soft_cap, sinks,
-        )  # fmt: skip
+            q,
+            k_cache,
+            v_cache,
+            scale,
+            workspace_buffer,
+            max_token_per_sequence,
+            max_sequence_kv,
+            actual_seq_lens_q,
+            actual_seq_lens_kv,
+            block_tables,
+            causal,
+            return_lse,
+            scales,
+            offsets,
+            batch_offsets_units,
+            out,
+            lse,
+            is_cuda_graph_compatible,
+            backend,
+            o_data_type,
+            window_left,
+            logits_soft_cap,
+            sinks,
+        )
         plan_cache.put(key, (p, lp))
     else:
         p, lp = hit
@@ -145,9 +173,30 @@ def cudnn_batch_prefill_with_kv_cache(
 
 
 def _plan_call(
-    q, k_cache, v_cache, scale, workspace_buffer, max_q, max_kv, lens_q, lens_kv, block_tables, causal, return_lse,
-    scales, offsets, units, out, lse, graph_mode, backend, o_data_type, window_left, soft_cap, sinks,
-):  # fmt: skip
+    q,
+    k_cache,
+    v_cache,
+    scale,
+    workspace_buffer,
+    max_q,
+    max_kv,
+    lens_q,
+    lens_kv,
+    block_tables,
+    causal,
+    return_lse,
+    scales,
+    offsets,
+    units,
+    out,
+    lse,
+    graph_mode,
+    backend,
+    o_data_type,
+    window_left,
+    soft_cap,
+    sinks,
+):
     """The full path of a one-shot call: every argument checked, the plan and its layout made."""
     backend = dispatch.check_backend(backend)
     return_lse = normalise.bool_arg("return_lse", return_lse)
@@ -155,22 +204,40 @@ def _plan_call(
     q, k, v, shape = normalise.layer_tensors(q, k_cache, v_cache, paged)
     ws = normalise.check_workspace(workspace_buffer, q.device)
     seq, vectors, pages = normalise.sequences(
-        device=q.device, num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads,
-        head_dim_qk=shape.head_dim_qk, head_dim_vo=shape.head_dim_vo, page_size=shape.page_size,
-        actual_seq_lens_q=lens_q, actual_seq_lens_kv=lens_kv, max_token_per_sequence=max_q,
-        max_sequence_kv=max_kv, block_tables=block_tables, offsets=dict(zip(normalise.OFFSET_NAMES, offsets)),
-        batch_offsets_units=units, scale=scale, causal=causal, return_lse=return_lse, window_left=window_left,
-        logits_soft_cap=soft_cap, is_cuda_graph_compatible=graph_mode,
-    )  # fmt: skip
+        device=q.device,
+        num_qo_heads=shape.num_qo_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim_qk=shape.head_dim_qk,
+        head_dim_vo=shape.head_dim_vo,
+        page_size=shape.page_size,
+        actual_seq_lens_q=lens_q,
+        actual_seq_lens_kv=lens_kv,
+        max_token_per_sequence=max_q,
+        max_sequence_kv=max_kv,
+        block_tables=block_tables,
+        offsets=dict(zip(normalise.OFFSET_NAMES, offsets)),
+        batch_offsets_units=units,
+        scale=scale,
+        causal=causal,
+        return_lse=return_lse,
+        window_left=window_left,
+        logits_soft_cap=soft_cap,
+        is_cuda_graph_compatible=graph_mode,
+    )
     table = pages.get("block_tables")
     if table is not None:
         normalise.check_page_ids(table, seq, shape.num_pages)
     # the cached plan keeps no caller tensor: the call's block table and device vectors are passed
     # again at every run (only the device copies it made of host vectors stay with it)
     p = PrefillPlan(
-        seq, _plan_owned(vectors, (lens_q, lens_kv, *offsets)), None, device=q.device, backend=backend,
-        workspace_buffer=None, o_data_type=o_data_type,
-    )  # fmt: skip
+        seq,
+        _plan_owned(vectors, (lens_q, lens_kv, *offsets)),
+        None,
+        device=q.device,
+        backend=backend,
+        workspace_buffer=None,
+        o_data_type=o_data_type,
+    )
     lp = p.layer(q, k, v, out, lse, scales, sinks, return_lse, ws, vectors)
     return p, lp, ws
 
@@ -185,9 +252,13 @@ def _plan_owned(vectors: DeviceVectors | None, given: tuple) -> DeviceVectors | 
         return None if t is None or id(t._base if t._base is not None else t) in caller or id(t) in caller else t
 
     return DeviceVectors(
-        own(vectors.lens_q), own(vectors.lens_kv), {n: own(t) for n, t in vectors.offsets.items()},
-        vectors.kv_indptr, vectors.kv_last_page_len, vectors.units,
-    )  # fmt: skip
+        own(vectors.lens_q),
+        own(vectors.lens_kv),
+        {n: own(t) for n, t in vectors.offsets.items()},
+        vectors.kv_indptr,
+        vectors.kv_last_page_len,
+        vectors.units,
+    )
 
 
 def _call_vectors(planned: DeviceVectors, lens_q, lens_kv, offsets) -> DeviceVectors:
@@ -201,9 +272,13 @@ def _call_vectors(planned: DeviceVectors, lens_q, lens_kv, offsets) -> DeviceVec
         if name in planned.offsets:
             offs[name] = pick(t, planned.offsets[name])
     return DeviceVectors(
-        pick(lens_q, planned.lens_q), pick(lens_kv, planned.lens_kv), offs, planned.kv_indptr,
-        planned.kv_last_page_len, planned.units,
-    )  # fmt: skip
+        pick(lens_q, planned.lens_q),
+        pick(lens_kv, planned.lens_kv),
+        offs,
+        planned.kv_indptr,
+        planned.kv_last_page_len,
+        planned.units,
+    )
 
 
 def batch_prefill_with_kv_cache(*args, backend: str | None = "auto", **kwargs) -> tuple[Tensor, Tensor | None]:
@@ -258,7 +333,11 @@ def plan(
     host (required with device lengths). ``return_lse`` sets the default of ``run``.
     """
     if not isinstance(workspace_buffer, Tensor):
-        raise fail("workspace_buffer", "a torch.Tensor byte buffer on the device the plan will run on", type(workspace_buffer).__name__)
+        raise fail(
+            "workspace_buffer",
+            "a torch.Tensor byte buffer on the device the plan will run on",
+            type(workspace_buffer).__name__,
+        )
     device = workspace_buffer.device
     ws = normalise.check_workspace(workspace_buffer, device)
     hq = normalise.int_arg("num_qo_heads", num_qo_heads, 1)
@@ -273,28 +352,56 @@ def plan(
     csr = kv_indptr is not None
     if (block_tables is not None or csr) and ps == 0:
         raise fail("page_size", "the page size (> 0) of the paged cache the page table addresses", 0)
-    max_q = max_token_per_sequence if max_token_per_sequence is not None else _host_max("max_token_per_sequence", actual_seq_lens_q)
+    max_q = (
+        max_token_per_sequence
+        if max_token_per_sequence is not None
+        else _host_max("max_token_per_sequence", actual_seq_lens_q)
+    )
     if max_sequence_kv is not None:
         max_kv = max_sequence_kv
     elif csr:
         max_kv = _csr_max(kv_indptr, kv_last_page_len, ps)
     else:
         max_kv = _host_max("max_sequence_kv", actual_seq_lens_kv)
-    offsets = dict(q=batch_offsets_q, o=batch_offsets_o, k=batch_offsets_k, v=batch_offsets_v, stats=batch_offsets_stats)
+    offsets = dict(
+        q=batch_offsets_q, o=batch_offsets_o, k=batch_offsets_k, v=batch_offsets_v, stats=batch_offsets_stats
+    )
     seq, vectors, pages = normalise.sequences(
-        device=device, num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=dqk, head_dim_vo=dvo, page_size=ps,
-        actual_seq_lens_q=actual_seq_lens_q, actual_seq_lens_kv=actual_seq_lens_kv, max_token_per_sequence=max_q,
-        max_sequence_kv=max_kv, block_tables=block_tables, kv_indptr=kv_indptr, kv_indices=kv_indices,
-        kv_last_page_len=kv_last_page_len, offsets=offsets, batch_offsets_units=batch_offsets_units, scale=scale,
-        causal=causal, return_lse=True, window_left=window_left, logits_soft_cap=logits_soft_cap,
+        device=device,
+        num_qo_heads=hq,
+        num_kv_heads=hkv,
+        head_dim_qk=dqk,
+        head_dim_vo=dvo,
+        page_size=ps,
+        actual_seq_lens_q=actual_seq_lens_q,
+        actual_seq_lens_kv=actual_seq_lens_kv,
+        max_token_per_sequence=max_q,
+        max_sequence_kv=max_kv,
+        block_tables=block_tables,
+        kv_indptr=kv_indptr,
+        kv_indices=kv_indices,
+        kv_last_page_len=kv_last_page_len,
+        offsets=offsets,
+        batch_offsets_units=batch_offsets_units,
+        scale=scale,
+        causal=causal,
+        return_lse=True,
+        window_left=window_left,
+        logits_soft_cap=logits_soft_cap,
         is_cuda_graph_compatible=is_cuda_graph_compatible,
-    )  # fmt: skip
+    )
     return_lse = normalise.bool_arg("return_lse", return_lse)
     page_tensor = pages.get("block_tables", pages.get("kv_indices"))
     p = PrefillPlan(
-        seq, vectors, page_tensor, device=device, backend=backend, workspace_buffer=ws, o_data_type=o_data_type,
+        seq,
+        vectors,
+        page_tensor,
+        device=device,
+        backend=backend,
+        workspace_buffer=ws,
+        o_data_type=o_data_type,
         return_lse=return_lse,
-    )  # fmt: skip
+    )
     return p
 
 
@@ -307,7 +414,12 @@ def _host_max(name: str, lens: object) -> int:
 
 
 def _csr_max(indptr: object, last: object, page_size: int) -> int:
-    if isinstance(indptr, Tensor) and isinstance(last, Tensor) and indptr.device.type == "cpu" and last.device.type == "cpu":
+    if (
+        isinstance(indptr, Tensor)
+        and isinstance(last, Tensor)
+        and indptr.device.type == "cpu"
+        and last.device.type == "cpu"
+    ):
         n = (indptr.reshape(-1)[1:] - indptr.reshape(-1)[:-1]).clamp(min=0)
         lens = torch.where(n > 0, (n - 1) * page_size + last.reshape(-1), 0)
         return int(lens.max()) if lens.numel() else 0

@@ -142,9 +142,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def run_one(
-    w: dict, device: torch.device, dtype: torch.dtype, backend: str, seed: int, reps: int
-) -> bool | None:
+def run_one(w: dict, device: torch.device, dtype: torch.dtype, backend: str, seed: int, reps: int) -> bool | None:
     """Build the batch in ``dtype``, run it with ``backend``, check it and time it; True when within
     tolerance, None when the backend cannot run here (printed)."""
     case = wl.build_case(w, device, dtype=dtype, seed=seed)
@@ -184,9 +182,7 @@ def run_one(
         f"{ref_s:.2f} s]"
     )
     gflop = wl.flops(w) / 1e9
-    ms = _time_per_call(
-        lambda: pagedprefill.cudnn_batch_prefill_with_kv_cache(**case, backend=backend), device, reps
-    )
+    ms = _time_per_call(lambda: pagedprefill.cudnn_batch_prefill_with_kv_cache(**case, backend=backend), device, reps)
     print(
         f"time:        {ms:.3f} ms per call (median of {reps}; first call {first_s:.2f} s), "
         f"{gflop / ms:.3g} TFLOP/s ({gflop:.3g} GFLOP)"
@@ -197,9 +193,7 @@ def run_one(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pagedprefill-demo", description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--backend", default="auto", choices=pagedprefill.BACKENDS, help="backend to demo (default auto)"
-    )
+    p.add_argument("--backend", default="auto", choices=pagedprefill.BACKENDS, help="backend to demo (default auto)")
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     p.add_argument("--reps", type=int, default=None, help="timed calls (default 20 on a GPU, 3 on the CPU)")
     p.add_argument("--seed", type=int, default=0, help="data seed (the lengths are fixed)")

@@ -30,7 +30,7 @@ def _base2(lse_base: object) -> bool:
         return False
     if lse_base == 2:
         return True
-    raise fail("lse_base", '"e" (natural log, this library\'s LSEs) or 2 (FlashInfer\'s wrappers)', repr(lse_base))
+    raise fail("lse_base", "\"e\" (natural log, this library's LSEs) or 2 (FlashInfer's wrappers)", repr(lse_base))
 
 
 def _check_state(nv: str, v: object, ns: str, s: object, stacked: bool) -> None:
@@ -75,8 +75,23 @@ def _merge(states: list[tuple[Tensor, Tensor]], stacked: bool, base2: bool) -> t
             (va, sa), (vb, sb) = states
             a = (va.stride(0), 0, va.stride(1), sa.stride(0), 0, sa.stride(1))
             b = (vb.stride(0), vb.stride(1), sb.stride(0), sb.stride(1))
-        args = (va, sa, vb, sb, out, lse, rows, heads, n_states, *a, *b, out.stride(0), out.stride(1),
-                lse.stride(0), lse.stride(1))  # fmt: skip
+        args = (
+            va,
+            sa,
+            vb,
+            sb,
+            out,
+            lse,
+            rows,
+            heads,
+            n_states,
+            *a,
+            *b,
+            out.stride(0),
+            out.stride(1),
+            lse.stride(0),
+            lse.stride(1),
+        )
         kwargs = dict(D=d, BLOCK_D=block_d, BLOCK_R=block_r, BASE2=base2, PAIR=not stacked, num_warps=4)
         with torch.cuda.device(v0.device) if v0.is_cuda else contextlib.nullcontext():
             launch.fast_launch(merge_kernel, grid, args, kwargs)
@@ -114,8 +129,11 @@ def merge_state(
     _check_state("v_a", v_a, "s_a", s_a, False)
     _check_state("v_b", v_b, "s_b", s_b, False)
     if v_b.shape != v_a.shape or v_b.dtype != v_a.dtype or v_b.device != v_a.device:
-        raise fail("v_b", f"shape {tuple(v_a.shape)}, dtype {v_a.dtype}, device {v_a.device} (as v_a)",
-                   f"shape {tuple(v_b.shape)}, dtype {v_b.dtype}, device {v_b.device}")  # fmt: skip
+        raise fail(
+            "v_b",
+            f"shape {tuple(v_a.shape)}, dtype {v_a.dtype}, device {v_a.device} (as v_a)",
+            f"shape {tuple(v_b.shape)}, dtype {v_b.dtype}, device {v_b.device}",
+        )
     return _merge([(v_a, s_a), (v_b, s_b)], False, _base2(lse_base))
 
 

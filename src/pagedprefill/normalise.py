@@ -143,7 +143,7 @@ def scale_arg(scale: object) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise fail("scale", "a Python float (the softmax scale, e.g. 1/sqrt(head_dim))", type(scale).__name__)
     if not math.isfinite(scale) or abs(scale) > MAX_SCALE:
-        raise fail("scale", f"a finite float with |scale| <= 2^32 (typical: 1/sqrt(head_dim))", scale)
+        raise fail("scale", "a finite float with |scale| <= 2^32 (typical: 1/sqrt(head_dim))", scale)
     return float(scale)
 
 
@@ -282,7 +282,8 @@ def layer_tensors(q: object, k: object, v: object, paged: bool) -> tuple[Tensor,
 def scales(q_dtype, kv_dtype, q_scale, k_scale, v_scale, device, graph_mode) -> tuple:
     """The three scales as one-element float32 device tensors (None: 1.0); fp8 tensors need theirs."""
     out = tuple(
-        scale_tensor(n, s, device, graph_mode) for n, s in zip(("q_scale", "k_scale", "v_scale"), (q_scale, k_scale, v_scale))
+        scale_tensor(n, s, device, graph_mode)
+        for n, s in zip(("q_scale", "k_scale", "v_scale"), (q_scale, k_scale, v_scale))
     )
     for name, dt, s in (("q_scale", q_dtype, out[0]), ("k_scale", kv_dtype, out[1]), ("v_scale", kv_dtype, out[2])):
         if dt in FP8_DTYPES and s is None:
@@ -396,7 +397,9 @@ def sequences(
                 raise fail("block_tables", f"{bsz} rows (one per sequence)", f"shape {tuple(bt.shape)}")
             if bt.device.type == "cpu" and device.type != "cpu":
                 if graph_mode:
-                    raise fail("block_tables", "a tensor on q's device when is_cuda_graph_compatible=True", "one on the CPU")
+                    raise fail(
+                        "block_tables", "a tensor on q's device when is_cuda_graph_compatible=True", "one on the CPU"
+                    )
             elif not same_device(bt.device, device):
                 raise fail("block_tables", f"a tensor on q's device {device}", f"one on {bt.device}")
             pages["block_tables"] = bt
@@ -429,11 +432,29 @@ def sequences(
     on_host = all(t is None or t.device.type == "cpu" for t in vecs)
     if on_host:
         host = _host_metadata(
-            bsz, lens_q, lens_kv, indptr, last, offs, units, max_q, max_kv, page_size, table_width, pages_kind,
-            lse_mode, per_token(hq, hkv, dqk, dvo), hq, table_stride,
-        )  # fmt: skip
+            bsz,
+            lens_q,
+            lens_kv,
+            indptr,
+            last,
+            offs,
+            units,
+            max_q,
+            max_kv,
+            page_size,
+            table_width,
+            pages_kind,
+            lse_mode,
+            per_token(hq, hkv, dqk, dvo),
+            hq,
+            table_stride,
+        )
         if pages_kind == "csr" and host.bt_start and indptr[-1] > pages["kv_indices"].numel():
-            raise fail("kv_indptr", f"a last entry <= {pages['kv_indices'].numel()} (the page ids in kv_indices)", int(indptr[-1]))
+            raise fail(
+                "kv_indptr",
+                f"a last entry <= {pages['kv_indices'].numel()} (the page ids in kv_indices)",
+                int(indptr[-1]),
+            )
         work_q = max(host.lens_q, default=0)
         work_kv = max(host.lens_kv, default=0)
         dev_vecs = None
@@ -441,16 +462,34 @@ def sequences(
         host = None
         work_q = max_q
         work_kv = min(max_kv, table_width * page_size) if pages_kind == "table" else max_kv
-        dev = {k: (t.to(device) if t is not None and t.device.type == "cpu" else t) for k, t in
-               (("lens_q", lens_q), ("lens_kv", lens_kv), ("indptr", indptr), ("last", last))}  # fmt: skip
+        dev = {
+            k: (t.to(device) if t is not None and t.device.type == "cpu" else t)
+            for k, t in (("lens_q", lens_q), ("lens_kv", lens_kv), ("indptr", indptr), ("last", last))
+        }
         dev_offs = {k: (t.to(device) if t.device.type == "cpu" else t) for k, t in offs.items()}
         dev_vecs = DeviceVectors(dev["lens_q"], dev["lens_kv"], dev_offs, dev["indptr"], dev["last"], units)
     seq = Sequences(
-        batch_size=bsz, max_q=max_q, max_kv=max_kv, work_q=work_q, work_kv=work_kv, num_qo_heads=hq,
-        num_kv_heads=hkv, head_dim_qk=dqk, head_dim_vo=dvo, page_size=page_size, pages=pages_kind,
-        table_width=table_width, causal=causal, scale=scale, window_left=window_left,
-        logits_soft_cap=soft_cap, lse=lse_mode, graph_mode=graph_mode, host=host, table_stride=table_stride,
-    )  # fmt: skip
+        batch_size=bsz,
+        max_q=max_q,
+        max_kv=max_kv,
+        work_q=work_q,
+        work_kv=work_kv,
+        num_qo_heads=hq,
+        num_kv_heads=hkv,
+        head_dim_qk=dqk,
+        head_dim_vo=dvo,
+        page_size=page_size,
+        pages=pages_kind,
+        table_width=table_width,
+        causal=causal,
+        scale=scale,
+        window_left=window_left,
+        logits_soft_cap=soft_cap,
+        lse=lse_mode,
+        graph_mode=graph_mode,
+        host=host,
+        table_stride=table_stride,
+    )
     if lse_mode == "padded" and bsz * max_q * hq > INT32_MAX:
         raise fail(
             "max_token_per_sequence",
@@ -461,9 +500,23 @@ def sequences(
 
 
 def _host_metadata(
-    bsz, lens_q_t, lens_kv_t, indptr_t, last_t, offs, units, max_q, max_kv, page_size, width, pages_kind, lse_mode,
-    unit, hq, table_stride,
-) -> HostMetadata:  # fmt: skip
+    bsz,
+    lens_q_t,
+    lens_kv_t,
+    indptr_t,
+    last_t,
+    offs,
+    units,
+    max_q,
+    max_kv,
+    page_size,
+    width,
+    pages_kind,
+    lse_mode,
+    unit,
+    hq,
+    table_stride,
+) -> HostMetadata:
     """The metadata table from host lengths and offsets, every value validated."""
     lens_q = lens_q_t.tolist()
     if pages_kind == "csr":
@@ -472,7 +525,9 @@ def _host_metadata(
         for b in range(bsz):
             n = indptr[b + 1] - indptr[b]
             if indptr[b] < 0 or n < 0:
-                raise fail("kv_indptr", "non-negative, non-decreasing page offsets", f"{indptr[b]}, {indptr[b + 1]} at {b}")
+                raise fail(
+                    "kv_indptr", "non-negative, non-decreasing page offsets", f"{indptr[b]}, {indptr[b + 1]} at {b}"
+                )
             if n and not 1 <= last[b] <= page_size:
                 raise fail("kv_last_page_len", f"values in [1, page_size = {page_size}]", f"{last[b]} at index {b}")
             lens_kv.append((n - 1) * page_size + last[b] if n else 0)
@@ -482,7 +537,12 @@ def _host_metadata(
         bt_start = None
     for name, lens, limit, limit_name in (
         ("actual_seq_lens_q", lens_q, max_q, "max_token_per_sequence"),
-        ("kv_indptr / kv_last_page_len" if pages_kind == "csr" else "actual_seq_lens_kv", lens_kv, max_kv, "max_sequence_kv"),
+        (
+            "kv_indptr / kv_last_page_len" if pages_kind == "csr" else "actual_seq_lens_kv",
+            lens_kv,
+            max_kv,
+            "max_sequence_kv",
+        ),
     ):
         for b, n in enumerate(lens):
             if n < 0:
@@ -578,7 +638,11 @@ def batch_for(
     if tuple(out.shape[1:]) != (hq, dvo):
         raise fail("out", f"shape (rows, {hq}, {dvo}) = (rows, Hq, Dvo)", f"shape {tuple(out.shape)}")
     if internal_overlap(out):
-        raise fail("out", "a tensor without overlapping elements (no zero or overlapping strides)", f"strides {tuple(out.stride())}")
+        raise fail(
+            "out",
+            "a tensor without overlapping elements (no zero or overlapping strides)",
+            f"strides {tuple(out.stride())}",
+        )
     lse_numel = 0
     if lse is not None:
         lse_numel = lse.numel()

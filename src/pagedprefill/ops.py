@@ -32,23 +32,64 @@ __all__ = ["batch_prefill_with_kv_cache", "plan_run"]
 
 @torch.library.custom_op("pagedprefill::batch_prefill", mutates_args=("out", "lse", "workspace_buffer"))
 def _batch_prefill(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float, workspace_buffer: Tensor,
-    max_token_per_sequence: int, max_sequence_kv: int, actual_seq_lens_q: Tensor, actual_seq_lens_kv: Tensor,
-    block_tables: Tensor | None, causal: bool, q_scale: Tensor | None, k_scale: Tensor | None,
-    v_scale: Tensor | None, batch_offsets_q: Tensor | None, batch_offsets_o: Tensor | None,
-    batch_offsets_k: Tensor | None, batch_offsets_v: Tensor | None, batch_offsets_stats: Tensor | None,
-    batch_offsets_units: str, out: Tensor, lse: Tensor | None, is_cuda_graph_compatible: bool, backend: str,
-    window_left: int, logits_soft_cap: float, sinks: Tensor | None,
-) -> None:  # fmt: skip
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    scale: float,
+    workspace_buffer: Tensor,
+    max_token_per_sequence: int,
+    max_sequence_kv: int,
+    actual_seq_lens_q: Tensor,
+    actual_seq_lens_kv: Tensor,
+    block_tables: Tensor | None,
+    causal: bool,
+    q_scale: Tensor | None,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+    batch_offsets_q: Tensor | None,
+    batch_offsets_o: Tensor | None,
+    batch_offsets_k: Tensor | None,
+    batch_offsets_v: Tensor | None,
+    batch_offsets_stats: Tensor | None,
+    batch_offsets_units: str,
+    out: Tensor,
+    lse: Tensor | None,
+    is_cuda_graph_compatible: bool,
+    backend: str,
+    window_left: int,
+    logits_soft_cap: float,
+    sinks: Tensor | None,
+) -> None:
     api.cudnn_batch_prefill_with_kv_cache(
-        q, k_cache, v_cache, scale, workspace_buffer, max_token_per_sequence=max_token_per_sequence,
-        max_sequence_kv=max_sequence_kv, actual_seq_lens_q=actual_seq_lens_q, actual_seq_lens_kv=actual_seq_lens_kv,
-        block_tables=block_tables, causal=causal, return_lse=lse is not None, q_scale=q_scale, k_scale=k_scale,
-        v_scale=v_scale, batch_offsets_q=batch_offsets_q, batch_offsets_o=batch_offsets_o,
-        batch_offsets_k=batch_offsets_k, batch_offsets_v=batch_offsets_v, batch_offsets_stats=batch_offsets_stats,
-        batch_offsets_units=batch_offsets_units, out=out, lse=lse, is_cuda_graph_compatible=is_cuda_graph_compatible,
-        backend=backend, window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        scale,
+        workspace_buffer,
+        max_token_per_sequence=max_token_per_sequence,
+        max_sequence_kv=max_sequence_kv,
+        actual_seq_lens_q=actual_seq_lens_q,
+        actual_seq_lens_kv=actual_seq_lens_kv,
+        block_tables=block_tables,
+        causal=causal,
+        return_lse=lse is not None,
+        q_scale=q_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        batch_offsets_q=batch_offsets_q,
+        batch_offsets_o=batch_offsets_o,
+        batch_offsets_k=batch_offsets_k,
+        batch_offsets_v=batch_offsets_v,
+        batch_offsets_stats=batch_offsets_stats,
+        batch_offsets_units=batch_offsets_units,
+        out=out,
+        lse=lse,
+        is_cuda_graph_compatible=is_cuda_graph_compatible,
+        backend=backend,
+        window_left=window_left,
+        logits_soft_cap=logits_soft_cap,
+        sinks=sinks,
+    )
 
 
 @_batch_prefill.register_fake
@@ -110,28 +151,70 @@ def batch_prefill_with_kv_cache(
     if return_lse and lse is None:
         if not isinstance(actual_seq_lens_q, Tensor):
             raise fail("actual_seq_lens_q", "a (B,) int tensor of query lengths", type(actual_seq_lens_q).__name__)
-        rows = (q.shape[0],) if batch_offsets_stats is not None else (actual_seq_lens_q.shape[0], max_token_per_sequence)
+        rows = (
+            (q.shape[0],) if batch_offsets_stats is not None else (actual_seq_lens_q.shape[0], max_token_per_sequence)
+        )
         lse = torch.full((*rows, q.shape[1]), -math.inf, dtype=torch.float32, device=q.device)
     _batch_prefill(
-        q, k_cache, v_cache, float(scale), workspace_buffer, max_token_per_sequence, max_sequence_kv,
-        actual_seq_lens_q, actual_seq_lens_kv, block_tables, causal, q_scale, k_scale, v_scale, batch_offsets_q,
-        batch_offsets_o, batch_offsets_k, batch_offsets_v, batch_offsets_stats, batch_offsets_units, out,
-        lse if return_lse else None, is_cuda_graph_compatible, "auto" if backend is None else backend, window_left,
-        float(logits_soft_cap), sinks,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        float(scale),
+        workspace_buffer,
+        max_token_per_sequence,
+        max_sequence_kv,
+        actual_seq_lens_q,
+        actual_seq_lens_kv,
+        block_tables,
+        causal,
+        q_scale,
+        k_scale,
+        v_scale,
+        batch_offsets_q,
+        batch_offsets_o,
+        batch_offsets_k,
+        batch_offsets_v,
+        batch_offsets_stats,
+        batch_offsets_units,
+        out,
+        lse if return_lse else None,
+        is_cuda_graph_compatible,
+        "auto" if backend is None else backend,
+        window_left,
+        float(logits_soft_cap),
+        sinks,
+    )
     return out, (lse if return_lse else None)
 
 
 @torch.library.custom_op("pagedprefill::plan_run", mutates_args=("out", "lse"))
 def _plan_run(
-    plan_id: int, q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor, lse: Tensor | None,
-    q_scale: Tensor | None, k_scale: Tensor | None, v_scale: Tensor | None, sinks: Tensor | None,
-) -> None:  # fmt: skip
+    plan_id: int,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    out: Tensor,
+    lse: Tensor | None,
+    q_scale: Tensor | None,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+    sinks: Tensor | None,
+) -> None:
     plan = PLANS.get(plan_id)
     if plan is None:
         raise RuntimeError(f"pagedprefill plan {plan_id} no longer exists (keep the plan alive while it runs)")
-    plan.run(q, k_cache, v_cache, out, lse, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
-             return_lse=lse is not None)  # fmt: skip
+    plan.run(
+        q,
+        k_cache,
+        v_cache,
+        out,
+        lse,
+        q_scale=q_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        sinks=sinks,
+        return_lse=lse is not None,
+    )
 
 
 @_plan_run.register_fake

@@ -93,9 +93,16 @@ class PrefillPlan:
         """The plan of this layout (made and checked the first time it is seen; ``vectors``: the
         device vectors when the plan does not hold them)."""
         key = (
-            _layout_key(q), _layout_key(k), _layout_key(v), _layout_key(out), _layout_key(lse),
-            tuple(_scale_key(s) for s in scales), _layout_key(sinks), return_lse, ws.numel(),
-        )  # fmt: skip
+            _layout_key(q),
+            _layout_key(k),
+            _layout_key(v),
+            _layout_key(out),
+            _layout_key(lse),
+            tuple(_scale_key(s) for s in scales),
+            _layout_key(sinks),
+            return_lse,
+            ws.numel(),
+        )
         lp = self.layers.get(key)
         if lp is None:
             lp = self.layers[key] = self._make_layer(q, k, v, out, lse, scales, sinks, return_lse, ws, vectors)
@@ -135,9 +142,17 @@ class PrefillPlan:
         elif lse is not None:
             raise fail("lse", "None when return_lse=False", "a tensor")
         batch = normalise.batch_for(
-            seq, q, k, v, out, lse.view(-1) if lse is not None else None, shape,
-            (q_s is not None, k_s is not None, v_s is not None), sinks is not None, out_allocated,
-        )  # fmt: skip
+            seq,
+            q,
+            k,
+            v,
+            out,
+            lse.view(-1) if lse is not None else None,
+            shape,
+            (q_s is not None, k_s is not None, v_s is not None),
+            sinks is not None,
+            out_allocated,
+        )
         module = dispatch.choose(batch, self.backend, ws.numel())
         meta_b = workspace.meta_bytes(batch.batch_size) if batch.device_metadata else 0
         bplan = module.plan(batch, max(ws.numel() - meta_b, 0))
@@ -154,9 +169,19 @@ class PrefillPlan:
     # ----------------------------------------------------------------------------------------
 
     def execute(
-        self, lp: LayerPlan, q, k, v, out, lse, scales, sinks, ws: Tensor, pages: Tensor | None,
+        self,
+        lp: LayerPlan,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        scales,
+        sinks,
+        ws: Tensor,
+        pages: Tensor | None,
         vectors: DeviceVectors | None,
-    ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    ) -> tuple[Tensor, Tensor | None]:
         """Run ``lp`` on this call's tensors (already matched to its layout)."""
         batch = lp.batch
         dev = batch.device
@@ -166,9 +191,15 @@ class PrefillPlan:
         if lp.return_lse:
             lse_user = lse if lse is not None else torch.full(lp.lse_shape, -math.inf, dtype=torch.float32, device=dev)
         named = [
-            ("q", q), ("k_cache", k), ("v_cache", v), ("out", out), ("lse", lse_user), ("workspace_buffer", ws),
-            ("block_tables" if self.seq.pages == "table" else "kv_indices", pages), ("sinks", sinks),
-        ]  # fmt: skip
+            ("q", q),
+            ("k_cache", k),
+            ("v_cache", v),
+            ("out", out),
+            ("lse", lse_user),
+            ("workspace_buffer", ws),
+            ("block_tables" if self.seq.pages == "table" else "kv_indices", pages),
+            ("sinks", sinks),
+        ]
         if vectors is not None:
             named += [("actual_seq_lens_q", vectors.lens_q), ("actual_seq_lens_kv", vectors.lens_kv)]
             named += [("kv_indptr", vectors.kv_indptr), ("kv_last_page_len", vectors.kv_last_page_len)]
@@ -188,9 +219,19 @@ class PrefillPlan:
                 workspace.write_device_table(lp.bounds, vectors, meta)
             q_s, k_s, v_s = (_device_scale(s, dev) for s in scales)
             t = CallTensors(
-                q, k, v, out, lse_user.view(-1) if lse_user is not None else None, meta,
-                workspace.device_pages(self.seq, pages, dev), q_s, k_s, v_s, sinks, scratch,
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                out,
+                lse_user.view(-1) if lse_user is not None else None,
+                meta,
+                workspace.device_pages(self.seq, pages, dev),
+                q_s,
+                k_s,
+                v_s,
+                sinks,
+                scratch,
+            )
             lp.backend.run(t)
         dispatch.set_last(lp.name)
         return out, lse_user
@@ -274,4 +315,3 @@ def _check_lse(lse: object, seq: Sequences, device: torch.device) -> None:
             f"shape (B, max_token_per_sequence, Hq) = ({seq.batch_size}, {seq.max_q}, {seq.num_qo_heads})",
             f"shape {tuple(lse.shape)}",
         )
-

@@ -51,12 +51,22 @@ def bounds(batch: PrefillBatch, vecs: DeviceVectors, num_indices: int) -> Bounds
         units = dict.fromkeys(units, 1)
     lse_mode = {"none": 0, "padded": 1, "packed": 2}[batch.lse]
     return Bounds(
-        max_q=batch.max_q, max_kv=batch.max_kv, rows_q=batch.q.rows, rows_o=batch.out.rows,
-        rows_k=0 if batch.paged else batch.k.rows, rows_v=0 if batch.paged else batch.v.rows,
-        lse_numel=batch.lse_numel, lse_mode=lse_mode, pages={"none": 0, "table": 1, "csr": 2}[batch.pages],
-        table_width=batch.table_width, table_stride=batch.table_stride, num_indices=num_indices,
-        page_size=batch.page_size, num_heads=batch.num_qo_heads, units=units,
-    )  # fmt: skip
+        max_q=batch.max_q,
+        max_kv=batch.max_kv,
+        rows_q=batch.q.rows,
+        rows_o=batch.out.rows,
+        rows_k=0 if batch.paged else batch.k.rows,
+        rows_v=0 if batch.paged else batch.v.rows,
+        lse_numel=batch.lse_numel,
+        lse_mode=lse_mode,
+        pages={"none": 0, "table": 1, "csr": 2}[batch.pages],
+        table_width=batch.table_width,
+        table_stride=batch.table_stride,
+        num_indices=num_indices,
+        page_size=batch.page_size,
+        num_heads=batch.num_qo_heads,
+        units=units,
+    )
 
 
 def write_device_table(bd: Bounds, vecs: DeviceVectors, meta: Tensor) -> None:
@@ -83,7 +93,8 @@ def check_size(ws: Tensor, need_meta: int, need_backend: int, backend: str) -> N
     if ws.numel() < need:
         raise fail(
             "workspace_buffer",
-            f"at least {need} bytes for this call ({need_meta} for metadata + {need_backend} for the {backend} backend)",
+            f"at least {need} bytes for this call "
+            f"({need_meta} for metadata + {need_backend} for the {backend} backend)",
             f"{ws.numel()} bytes",
         )
 

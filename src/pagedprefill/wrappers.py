@@ -42,7 +42,9 @@ def _refuse(**given) -> None:
     """NotImplementedError for every FlashInfer argument given a value this library does not implement."""
     for name, (value, default) in given.items():
         if value is not default and value != default:
-            raise NotImplementedError(f"pagedprefill does not implement FlashInfer's {name}={value!r} (default {default!r})")
+            raise NotImplementedError(
+                f"pagedprefill does not implement FlashInfer's {name}={value!r} (default {default!r})"
+            )
 
 
 def _dtype(name: str, value) -> torch.dtype | None:
@@ -58,12 +60,26 @@ def _dtype(name: str, value) -> torch.dtype | None:
 class _Wrapper:
     _paged: bool
 
-    def __init__(self, float_workspace_buffer: Tensor, kv_layout: str, use_cuda_graph: bool, backend: str, buffers: dict,
-                 custom_mask_buf, mask_indptr_buf, jit_args, jit_kwargs):  # fmt: skip
+    def __init__(
+        self,
+        float_workspace_buffer: Tensor,
+        kv_layout: str,
+        use_cuda_graph: bool,
+        backend: str,
+        buffers: dict,
+        custom_mask_buf,
+        mask_indptr_buf,
+        jit_args,
+        jit_kwargs,
+    ):
         if kv_layout not in ("NHD", "HND"):
             raise fail("kv_layout", '"NHD" or "HND"', repr(kv_layout))
-        _refuse(custom_mask_buf=(custom_mask_buf, None), mask_indptr_buf=(mask_indptr_buf, None),
-                jit_args=(jit_args, None), jit_kwargs=(jit_kwargs, None))  # fmt: skip
+        _refuse(
+            custom_mask_buf=(custom_mask_buf, None),
+            mask_indptr_buf=(mask_indptr_buf, None),
+            jit_args=(jit_args, None),
+            jit_kwargs=(jit_kwargs, None),
+        )
         if backend not in _OUR_BACKENDS:
             raise NotImplementedError(
                 f"pagedprefill does not implement FlashInfer's backend={backend!r}; its backends are {_OUR_BACKENDS}"
@@ -93,7 +109,9 @@ class _Wrapper:
         dev = self._workspace.device
         if name == "qo_indptr":  # (a captured graph is sized for one batch size)
             if self._batch is not None and t.numel() != self._batch + 1:
-                raise fail("qo_indptr", f"{self._batch + 1} entries (use_cuda_graph: the batch size is fixed)", t.numel())
+                raise fail(
+                    "qo_indptr", f"{self._batch + 1} entries (use_cuda_graph: the batch size is fixed)", t.numel()
+                )
             self._batch = t.numel() - 1
         if buf is None:
             buf = self._buffers[name] = torch.empty(t.numel(), dtype=torch.int32, device=dev)
@@ -107,9 +125,13 @@ class _Wrapper:
         """use_cuda_graph: the block table's values in this wrapper's device buffer of the first shape."""
         buf = self._buffers.get("block_tables")
         if buf is None:
-            buf = self._buffers["block_tables"] = torch.empty(table.shape, dtype=torch.int32, device=self._workspace.device)
+            buf = self._buffers["block_tables"] = torch.empty(
+                table.shape, dtype=torch.int32, device=self._workspace.device
+            )
         if buf.shape != table.shape:
-            raise fail("block_tables", f"shape {tuple(buf.shape)} (use_cuda_graph: as in the first plan)", tuple(table.shape))
+            raise fail(
+                "block_tables", f"shape {tuple(buf.shape)} (use_cuda_graph: as in the first plan)", tuple(table.shape)
+            )
         buf.copy_(table, non_blocking=True)
         return buf
 
@@ -133,8 +155,9 @@ class _Wrapper:
             max_q, max_kv = self._bounds
         return max_q, max_kv
 
-    def _run(self, q: Tensor, k: Tensor, v: Tensor, out, lse, return_lse, q_scale, k_scale, v_scale, window_left,
-             sinks) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+    def _run(
+        self, q: Tensor, k: Tensor, v: Tensor, out, lse, return_lse, q_scale, k_scale, v_scale, window_left, sinks
+    ) -> Tensor | tuple[Tensor, Tensor]:
         p = self.plan_object
         q_dt, kv_dt = self._dtypes
         if q_dt is not None and q.dtype != q_dt:
@@ -146,15 +169,30 @@ class _Wrapper:
             if p is None:
                 seq = dataclasses.replace(self._plan.seq, window_left=normalise.variant_args(window_left, 0.0)[0])
                 p = self._window_plans[window_left] = PrefillPlan(
-                    seq, self._plan.vectors, self._plan.pages, device=self._plan.device, backend=self._backend,
-                    workspace_buffer=self._plan.workspace, o_data_type=self._plan.o_data_type,
-                )  # fmt: skip
+                    seq,
+                    self._plan.vectors,
+                    self._plan.pages,
+                    device=self._plan.device,
+                    backend=self._backend,
+                    workspace_buffer=self._plan.workspace,
+                    o_data_type=self._plan.o_data_type,
+                )
         if lse is not None and return_lse:
             lse_buf = lse
         else:
             lse_buf = None
-        o, lse_nat = p.run(q, k, v, out, lse_buf, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
-                           return_lse=bool(return_lse))  # fmt: skip
+        o, lse_nat = p.run(
+            q,
+            k,
+            v,
+            out,
+            lse_buf,
+            q_scale=q_scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            sinks=sinks,
+            return_lse=bool(return_lse),
+        )
         if not return_lse:
             return o
         return o, lse_nat.mul_(LOG2E)  # FlashInfer's wrappers return base-2 LSEs
@@ -180,11 +218,23 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         jit_args=None,
         jit_kwargs=None,
     ) -> None:
-        buffers = dict(qo_indptr=qo_indptr_buf, paged_kv_indptr=paged_kv_indptr_buf,
-                       paged_kv_indices=paged_kv_indices_buf, paged_kv_last_page_len=paged_kv_last_page_len_buf)  # fmt: skip
-        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend,
-                         {k: v for k, v in buffers.items() if v is not None}, custom_mask_buf, mask_indptr_buf,
-                         jit_args, jit_kwargs)  # fmt: skip
+        buffers = dict(
+            qo_indptr=qo_indptr_buf,
+            paged_kv_indptr=paged_kv_indptr_buf,
+            paged_kv_indices=paged_kv_indices_buf,
+            paged_kv_last_page_len=paged_kv_last_page_len_buf,
+        )
+        super().__init__(
+            float_workspace_buffer,
+            kv_layout,
+            use_cuda_graph,
+            backend,
+            {k: v for k, v in buffers.items() if v is not None},
+            custom_mask_buf,
+            mask_indptr_buf,
+            jit_args,
+            jit_kwargs,
+        )
 
     def plan(
         self,
@@ -226,13 +276,20 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         """FlashInfer's ``plan``: CSR pages (``paged_kv_indptr`` (B+1,), ``paged_kv_indices``,
         ``paged_kv_last_page_len`` (B,)) or, like its cudnn backend, ``seq_lens`` + ``block_tables``."""
         _refuse(
-            custom_mask=(custom_mask, None), packed_custom_mask=(packed_custom_mask, None),
-            pos_encoding_mode=(pos_encoding_mode, "NONE"), use_fp16_qk_reduction=(use_fp16_qk_reduction, False),
-            rope_scale=(rope_scale, None), rope_theta=(rope_theta, None), prefix_len_ptr=(prefix_len_ptr, None),
-            token_pos_in_items_ptr=(token_pos_in_items_ptr, None), token_pos_in_items_len=(token_pos_in_items_len, 0),
-            max_item_len_ptr=(max_item_len_ptr, None), fixed_split_size=(fixed_split_size, None),
-            disable_split_kv=(disable_split_kv, False), seq_lens_q=(seq_lens_q, None),
-        )  # fmt: skip
+            custom_mask=(custom_mask, None),
+            packed_custom_mask=(packed_custom_mask, None),
+            pos_encoding_mode=(pos_encoding_mode, "NONE"),
+            use_fp16_qk_reduction=(use_fp16_qk_reduction, False),
+            rope_scale=(rope_scale, None),
+            rope_theta=(rope_theta, None),
+            prefix_len_ptr=(prefix_len_ptr, None),
+            token_pos_in_items_ptr=(token_pos_in_items_ptr, None),
+            token_pos_in_items_len=(token_pos_in_items_len, 0),
+            max_item_len_ptr=(max_item_len_ptr, None),
+            fixed_split_size=(fixed_split_size, None),
+            disable_split_kv=(disable_split_kv, False),
+            seq_lens_q=(seq_lens_q, None),
+        )
         self._dtypes = (_dtype("q_data_type", q_data_type), _dtype("kv_data_type", kv_data_type))
         if self._dtypes[1] is None:
             self._dtypes = (self._dtypes[0], self._dtypes[0])
@@ -246,8 +303,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
             kv_host = seq_lens.tolist() if seq_lens.device.type == "cpu" else None
         else:
             indptr = normalise.vector("paged_kv_indptr", paged_kv_indptr, qo_indptr.shape[0], qo_indptr.device, False)
-            last = normalise.vector("paged_kv_last_page_len", paged_kv_last_page_len, qo_indptr.shape[0] - 1,
-                                        qo_indptr.device, False)  # fmt: skip
+            last = normalise.vector(
+                "paged_kv_last_page_len", paged_kv_last_page_len, qo_indptr.shape[0] - 1, qo_indptr.device, False
+            )
             kv = dict(kv_indptr=indptr, kv_indices=paged_kv_indices, kv_last_page_len=last)
             kv_host = None
             if indptr.device.type == "cpu" and last.device.type == "cpu":
@@ -257,8 +315,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         if q_host is None and max_token_per_sequence is None:
             q_host = lens_q.tolist()  # (device indptr without bounds: one read-back, as FlashInfer does)
         if kv_host is None and max_sequence_kv is None:
-            kv_host = (seq_lens if block_tables is not None else
-                       _csr_lens(kv["kv_indptr"], kv["kv_last_page_len"], page_size)).tolist()  # fmt: skip
+            kv_host = (
+                seq_lens if block_tables is not None else _csr_lens(kv["kv_indptr"], kv["kv_last_page_len"], page_size)
+            ).tolist()
         max_q, max_kv = self._bounds_for(max_token_per_sequence, max_sequence_kv, q_host or [], kv_host or [])
         if self._use_cuda_graph:  # (every tensor a run reads lives in this wrapper's buffers)
             qo_indptr = self._graph_vector("qo_indptr", qo_indptr)
@@ -267,17 +326,33 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
                 kv["actual_seq_lens_kv"] = self._graph_vector("kv_lens", kv["actual_seq_lens_kv"])
                 kv["block_tables"] = self._graph_table(kv["block_tables"])
             if "kv_indptr" in kv:
-                kv = dict(kv_indptr=self._graph_vector("paged_kv_indptr", kv["kv_indptr"]),
-                          kv_indices=self._graph_vector("paged_kv_indices", kv["kv_indices"]),
-                          kv_last_page_len=self._graph_vector("paged_kv_last_page_len", kv["kv_last_page_len"]))  # fmt: skip
+                kv = dict(
+                    kv_indptr=self._graph_vector("paged_kv_indptr", kv["kv_indptr"]),
+                    kv_indices=self._graph_vector("paged_kv_indices", kv["kv_indices"]),
+                    kv_last_page_len=self._graph_vector("paged_kv_last_page_len", kv["kv_last_page_len"]),
+                )
         self._plan = api.plan(
-            self._workspace, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk,
-            head_dim_vo=head_dim_vo, page_size=page_size, actual_seq_lens_q=lens_q, max_token_per_sequence=max_q,
-            max_sequence_kv=max_kv, causal=causal, scale=sm_scale if sm_scale is not None else 1 / math.sqrt(head_dim_qk),
-            window_left=window_left, logits_soft_cap=logits_soft_cap or 0.0, batch_offsets_q=qo_indptr,
-            batch_offsets_stats=qo_indptr, batch_offsets_units="tokens", o_data_type=_dtype("o_data_type", o_data_type),
-            is_cuda_graph_compatible=self._use_cuda_graph, backend=self._backend, **kv,
-        )  # fmt: skip
+            self._workspace,
+            num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim_qk=head_dim_qk,
+            head_dim_vo=head_dim_vo,
+            page_size=page_size,
+            actual_seq_lens_q=lens_q,
+            max_token_per_sequence=max_q,
+            max_sequence_kv=max_kv,
+            causal=causal,
+            scale=sm_scale if sm_scale is not None else 1 / math.sqrt(head_dim_qk),
+            window_left=window_left,
+            logits_soft_cap=logits_soft_cap or 0.0,
+            batch_offsets_q=qo_indptr,
+            batch_offsets_stats=qo_indptr,
+            batch_offsets_units="tokens",
+            o_data_type=_dtype("o_data_type", o_data_type),
+            is_cuda_graph_compatible=self._use_cuda_graph,
+            backend=self._backend,
+            **kv,
+        )
         self._window_plans = {}
 
     def run(
@@ -305,10 +380,13 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         (out, lse) with ``return_lse`` (lse base 2, ``(qo_indptr[-1], Hq)``)."""
         if args:
             raise NotImplementedError("pagedprefill does not implement FlashInfer's extra positional run arguments")
-        _refuse(enable_pdl=(enable_pdl, None) if enable_pdl else (None, None), kv_cache_sf=(kv_cache_sf, None),
-                skip_softmax_threshold_scale_factor=(skip_softmax_threshold_scale_factor, None),
-                use_fp16_softmax=(use_fp16_softmax, None) if use_fp16_softmax else (None, None),
-                uses_spcompress=(uses_spcompress, None) if uses_spcompress else (None, None))  # fmt: skip
+        _refuse(
+            enable_pdl=(enable_pdl, None) if enable_pdl else (None, None),
+            kv_cache_sf=(kv_cache_sf, None),
+            skip_softmax_threshold_scale_factor=(skip_softmax_threshold_scale_factor, None),
+            use_fp16_softmax=(use_fp16_softmax, None) if use_fp16_softmax else (None, None),
+            uses_spcompress=(uses_spcompress, None) if uses_spcompress else (None, None),
+        )
         k, v = self._unpack(paged_kv_cache)
         return self._run(q, k, v, out, lse, return_lse, q_scale, k_scale, v_scale, window_left, sinks)
 
@@ -318,13 +396,19 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
             k, v = cache
         elif isinstance(cache, Tensor) and cache.dim() == 5:
             if cache.shape[1] != 2:
-                raise fail("paged_kv_cache", "a 5-D tensor with K and V on dim 1 (size 2)", f"shape {tuple(cache.shape)}")
+                raise fail(
+                    "paged_kv_cache", "a 5-D tensor with K and V on dim 1 (size 2)", f"shape {tuple(cache.shape)}"
+                )
             k, v = cache[:, 0], cache[:, 1]
         else:
             raise fail("paged_kv_cache", "a (k_cache, v_cache) tuple or one 5-D tensor", type(cache).__name__)
         for name, t in (("paged_kv_cache (k)", k), ("paged_kv_cache (v)", v)):
             if not isinstance(t, Tensor) or t.dim() != 4:
-                raise fail(name, f"a 4-D {self._kv_layout} tensor", t if not isinstance(t, Tensor) else f"shape {tuple(t.shape)}")
+                raise fail(
+                    name,
+                    f"a 4-D {self._kv_layout} tensor",
+                    t if not isinstance(t, Tensor) else f"shape {tuple(t.shape)}",
+                )
         if self._kv_layout == "NHD":
             return k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
         return k, v
@@ -349,8 +433,17 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         jit_kwargs=None,
     ) -> None:
         buffers = {k: v for k, v in dict(qo_indptr=qo_indptr_buf, kv_indptr=kv_indptr_buf).items() if v is not None}
-        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, buffers, custom_mask_buf,
-                         mask_indptr_buf, jit_args, jit_kwargs)  # fmt: skip
+        super().__init__(
+            float_workspace_buffer,
+            kv_layout,
+            use_cuda_graph,
+            backend,
+            buffers,
+            custom_mask_buf,
+            mask_indptr_buf,
+            jit_args,
+            jit_kwargs,
+        )
 
     def plan(
         self,
@@ -390,13 +483,21 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         """FlashInfer's ``plan``: ``qo_indptr`` and ``kv_indptr`` (B+1,) token offsets of each sequence
         (``v_indptr`` / ``o_indptr`` when V / out rows start elsewhere)."""
         _refuse(
-            custom_mask=(custom_mask, None), packed_custom_mask=(packed_custom_mask, None),
-            pos_encoding_mode=(pos_encoding_mode, "NONE"), use_fp16_qk_reduction=(use_fp16_qk_reduction, False),
-            rope_scale=(rope_scale, None), rope_theta=(rope_theta, None), prefix_len_ptr=(prefix_len_ptr, None),
-            token_pos_in_items_ptr=(token_pos_in_items_ptr, None), token_pos_in_items_len=(token_pos_in_items_len, 0),
-            max_item_len_ptr=(max_item_len_ptr, None), fixed_split_size=(fixed_split_size, None),
-            disable_split_kv=(disable_split_kv, False), seq_lens=(seq_lens, None), seq_lens_q=(seq_lens_q, None),
-        )  # fmt: skip
+            custom_mask=(custom_mask, None),
+            packed_custom_mask=(packed_custom_mask, None),
+            pos_encoding_mode=(pos_encoding_mode, "NONE"),
+            use_fp16_qk_reduction=(use_fp16_qk_reduction, False),
+            rope_scale=(rope_scale, None),
+            rope_theta=(rope_theta, None),
+            prefix_len_ptr=(prefix_len_ptr, None),
+            token_pos_in_items_ptr=(token_pos_in_items_ptr, None),
+            token_pos_in_items_len=(token_pos_in_items_len, 0),
+            max_item_len_ptr=(max_item_len_ptr, None),
+            fixed_split_size=(fixed_split_size, None),
+            disable_split_kv=(disable_split_kv, False),
+            seq_lens=(seq_lens, None),
+            seq_lens_q=(seq_lens_q, None),
+        )
         self._dtypes = (_dtype("q_data_type", q_data_type), _dtype("kv_data_type", kv_data_type))
         if self._dtypes[1] is None:
             self._dtypes = (self._dtypes[0], self._dtypes[0])
@@ -407,8 +508,13 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         q_host = lens_q.tolist() if lens_q.device.type == "cpu" or max_token_per_sequence is None else []
         kv_host = lens_kv.tolist() if lens_kv.device.type == "cpu" or max_sequence_kv is None else []
         max_q, max_kv = self._bounds_for(max_token_per_sequence, max_sequence_kv, q_host, kv_host)
-        offs = dict(batch_offsets_q=qo, batch_offsets_o=o_indptr if o_indptr is not None else qo, batch_offsets_k=kvp,
-                    batch_offsets_v=v_indptr if v_indptr is not None else kvp, batch_offsets_stats=qo)  # fmt: skip
+        offs = dict(
+            batch_offsets_q=qo,
+            batch_offsets_o=o_indptr if o_indptr is not None else qo,
+            batch_offsets_k=kvp,
+            batch_offsets_v=v_indptr if v_indptr is not None else kvp,
+            batch_offsets_stats=qo,
+        )
         if self._use_cuda_graph:  # (every tensor a run reads lives in this wrapper's buffers)
             qo = self._graph_vector("qo_indptr", qo)
             kvp = self._graph_vector("kv_indptr", kvp)
@@ -417,14 +523,26 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
             offs["batch_offsets_o"] = qo if o_indptr is None else offs["batch_offsets_o"]
             offs["batch_offsets_v"] = kvp if v_indptr is None else offs["batch_offsets_v"]
         self._plan = api.plan(
-            self._workspace, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk,
-            head_dim_vo=head_dim_vo, page_size=0, actual_seq_lens_q=lens_q, actual_seq_lens_kv=lens_kv,
-            max_token_per_sequence=max_q, max_sequence_kv=max_kv, causal=causal,
-            scale=sm_scale if sm_scale is not None else 1 / math.sqrt(head_dim_qk), window_left=window_left,
-            logits_soft_cap=logits_soft_cap or 0.0, batch_offsets_units="tokens",
-            o_data_type=_dtype("o_data_type", o_data_type), is_cuda_graph_compatible=self._use_cuda_graph,
-            backend=self._backend, **offs,
-        )  # fmt: skip
+            self._workspace,
+            num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim_qk=head_dim_qk,
+            head_dim_vo=head_dim_vo,
+            page_size=0,
+            actual_seq_lens_q=lens_q,
+            actual_seq_lens_kv=lens_kv,
+            max_token_per_sequence=max_q,
+            max_sequence_kv=max_kv,
+            causal=causal,
+            scale=sm_scale if sm_scale is not None else 1 / math.sqrt(head_dim_qk),
+            window_left=window_left,
+            logits_soft_cap=logits_soft_cap or 0.0,
+            batch_offsets_units="tokens",
+            o_data_type=_dtype("o_data_type", o_data_type),
+            is_cuda_graph_compatible=self._use_cuda_graph,
+            backend=self._backend,
+            **offs,
+        )
         self._window_plans = {}
 
     def run(
@@ -449,8 +567,11 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         (HND). Returns out, or (out, lse) with ``return_lse`` (lse base 2, ``(qo_indptr[-1], Hq)``)."""
         if args:
             raise NotImplementedError("pagedprefill does not implement FlashInfer's extra positional run arguments")
-        _refuse(o_scale=(o_scale, None), kv_cache_sf=(kv_cache_sf, None),
-                enable_pdl=(enable_pdl, None) if enable_pdl else (None, None))  # fmt: skip
+        _refuse(
+            o_scale=(o_scale, None),
+            kv_cache_sf=(kv_cache_sf, None),
+            enable_pdl=(enable_pdl, None) if enable_pdl else (None, None),
+        )
         if self._kv_layout == "HND":
             k, v = k.transpose(0, 1), v.transpose(0, 1)
         return self._run(q, k, v, out, lse, return_lse, q_scale, k_scale, v_scale, window_left, sinks)

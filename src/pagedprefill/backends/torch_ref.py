@@ -100,7 +100,9 @@ class TorchPlan:
                     hidden |= cols < pos - w
                 s = s.masked_fill(hidden, float("-inf"))
                 if sinks is not None:
-                    lse = torch.logsumexp(torch.cat([s, sinks.expand(hkv, g, r1 - r0, 1)], dim=-1), dim=-1, keepdim=True)
+                    lse = torch.logsumexp(
+                        torch.cat([s, sinks.expand(hkv, g, r1 - r0, 1)], dim=-1), dim=-1, keepdim=True
+                    )
                 else:
                     lse = torch.logsumexp(s, dim=-1, keepdim=True)  # -inf for rows with no visible key
                 p = torch.exp(s - lse.clamp(min=torch.finfo(torch.float32).min))

@@ -97,9 +97,7 @@ class Case:
     keyword arguments; :meth:`reference` and :meth:`dense` are made once per data, on demand.
     """
 
-    def __init__(
-        self, w: dict, device: torch.device, dtype: torch.dtype, seed: int = 0, lens_on_device: bool = False
-    ):
+    def __init__(self, w: dict, device: torch.device, dtype: torch.dtype, seed: int = 0, lens_on_device: bool = False):
         self.workload = dict(w)
         self.name = w["name"]
         self.device = device

@@ -103,9 +103,7 @@ def reference(kwargs: dict) -> dict:
     return {"out": out, "lse": lse, "kind": "float64 math"}
 
 
-def check_library_output(
-    kwargs: dict, out: Tensor, lse: Tensor | None, ref: dict, served_by: str | None
-) -> dict:
+def check_library_output(kwargs: dict, out: Tensor, lse: Tensor | None, ref: dict, served_by: str | None) -> dict:
     """:func:`compare` of one library call's ``out`` / ``lse`` against :func:`reference`
     (``served_by``: the backend that ran it, as :func:`pagedprefill.last_backend` says)."""
     q_lens, _ = wl.case_lengths(kwargs)

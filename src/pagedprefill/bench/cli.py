@@ -60,9 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("timing")
     g.add_argument("--reps", type=int, default=None, help="timed runs per backend (default: ~--rep-ms worth)")
     g.add_argument("--warmup-ms", type=float, default=25.0, help="GPU warm-up budget per backend (ms)")
-    g.add_argument(
-        "--rep-ms", type=float, default=100.0, help="GPU timing budget per backend when --reps unset"
-    )
+    g.add_argument("--rep-ms", type=float, default=100.0, help="GPU timing budget per backend when --reps unset")
     g.add_argument(
         "--timer",
         choices=("gpu", "events", "do_bench"),
@@ -89,18 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--plot", metavar="PATH", help="table mode: a PNG bar chart of TFLOP/s (needs matplotlib)")
     s = p.add_argument_group("serving mode")
     s.add_argument("--serving", type=int, default=0, metavar="N", help="serving loop of N measured calls")
-    s.add_argument(
-        "--serving-warmup", type=int, default=50, help="warm-up calls before measuring (default 50)"
-    )
+    s.add_argument("--serving-warmup", type=int, default=50, help="warm-up calls before measuring (default 50)")
     s.add_argument("--serving-checks", type=int, default=5, help="measured calls checked for correctness")
     s.add_argument(
         "--serving-fixed-max",
         action="store_true",
         help="pass fixed caps as max_token_per_sequence / max_sequence_kv instead of per-call maxima",
     )
-    s.add_argument(
-        "--serving-backends", help="comma list of library backends (default: --backends, else cudnn,triton)"
-    )
+    s.add_argument("--serving-backends", help="comma list of library backends (default: --backends, else cudnn,triton)")
     lg = p.add_argument_group("layers mode")
     lg.add_argument(
         "--layers",
@@ -153,21 +147,15 @@ def resolve(args: argparse.Namespace, device: torch.device) -> None:
     if args.reps is not None and args.reps < 1:
         raise UsageError("--reps must be >= 1")
     if args.plot and mode != "table":
-        raise UsageError(
-            "--plot draws the table mode's TFLOP/s; it cannot be combined with --serving / --layers"
-        )
+        raise UsageError("--plot draws the table mode's TFLOP/s; it cannot be combined with --serving / --layers")
     if args.append and not args.out_json:
         raise UsageError("--append needs --out-json")
     if args.cuda_graph and mode != "table":
         raise UsageError("--cuda-graph applies to the table mode only")
     if args.device_lengths and mode == "layers":
-        raise UsageError(
-            "--device-lengths has no effect with --layers: each layer case says where its lengths live"
-        )
+        raise UsageError("--device-lengths has no effect with --layers: each layer case says where its lengths live")
     if mode == "serving":
-        listed = _csv(args.serving_backends) or [
-            b for b in (_csv(args.backends) or []) if b in LIBRARY_BACKENDS
-        ]
+        listed = _csv(args.serving_backends) or [b for b in (_csv(args.backends) or []) if b in LIBRARY_BACKENDS]
         backends = listed or serving.default_backends(device)
         allowed = LIBRARY_BACKENDS
     elif mode == "layers":

@@ -123,9 +123,7 @@ class LayerBatch:
         kw["return_lse"] = False  # a prefill step of a serving engine needs no LSE
         self.base = kw  # everything but the layer's q and out
         gen = torch.Generator(device=device).manual_seed(seed + 1)
-        self.q = [q0] + [
-            torch.randn(q0.shape, generator=gen, device=device, dtype=dtype) for _ in range(n_layers - 1)
-        ]
+        self.q = [q0] + [torch.randn(q0.shape, generator=gen, device=device, dtype=dtype) for _ in range(n_layers - 1)]
         self.out = [out0] + [torch.empty_like(out0) for _ in range(n_layers - 1)]
         self.n = n_layers
         self.device = device
@@ -144,13 +142,23 @@ class LayerBatch:
         b, w = self.base, self.w
         offsets = {f"batch_offsets_{n}": b.get(f"batch_offsets_{n}") for n in ("q", "o", "k", "v")}
         return pagedprefill.plan(
-            b["workspace_buffer"], num_qo_heads=w["heads_q"], num_kv_heads=w["heads_kv"],
-            head_dim_qk=w["head_dim_qk"], head_dim_vo=w["head_dim_vo"], page_size=w["page_size"],
-            actual_seq_lens_q=b["actual_seq_lens_q"], actual_seq_lens_kv=b["actual_seq_lens_kv"],
-            max_token_per_sequence=b["max_token_per_sequence"], max_sequence_kv=b["max_sequence_kv"],
-            block_tables=b.get("block_tables"), causal=True, scale=b["scale"], return_lse=False,
-            backend=backend, **offsets,
-        )  # fmt: skip
+            b["workspace_buffer"],
+            num_qo_heads=w["heads_q"],
+            num_kv_heads=w["heads_kv"],
+            head_dim_qk=w["head_dim_qk"],
+            head_dim_vo=w["head_dim_vo"],
+            page_size=w["page_size"],
+            actual_seq_lens_q=b["actual_seq_lens_q"],
+            actual_seq_lens_kv=b["actual_seq_lens_kv"],
+            max_token_per_sequence=b["max_token_per_sequence"],
+            max_sequence_kv=b["max_sequence_kv"],
+            block_tables=b.get("block_tables"),
+            causal=True,
+            scale=b["scale"],
+            return_lse=False,
+            backend=backend,
+            **offsets,
+        )
 
 
 def _steps(lb: LayerBatch, backend: str, api: str) -> tuple[Callable[[], list], str | None]:
@@ -217,9 +225,7 @@ def run_one(lb: LayerBatch, backend: str, api: str, args: argparse.Namespace) ->
         res.update(_check(lb, outs, api, backend))
         del outs
     burst = timing.time_burst(step, lb.n, lb.device, reps=args.reps or 5)
-    res.update(
-        host_us=burst.host_us, wall_us=burst.wall_us, device_us=burst.device_us, preload_ok=burst.preload_ok
-    )
+    res.update(host_us=burst.host_us, wall_us=burst.wall_us, device_us=burst.device_us, preload_ok=burst.preload_ok)
     if burst.device_us:
         res["wall_over_device"] = burst.wall_us / burst.device_us
         res["tflops"] = lb.gflop / (burst.device_us * 1e-3)  # GFLOP / ms = TFLOP/s
@@ -240,8 +246,15 @@ def variants(backends: list[str]) -> list[tuple[str, str]]:
 
 
 BASE_HEADERS = [
-    "case", "backend", "api", "host µs/call", "wall µs/layer", "device µs/layer", "wall/device", "TF/s",
-]  # fmt: skip
+    "case",
+    "backend",
+    "api",
+    "host µs/call",
+    "wall µs/layer",
+    "device µs/layer",
+    "wall/device",
+    "TF/s",
+]
 
 
 def _ok(r: dict | None) -> bool:
@@ -256,9 +269,7 @@ def table(results: list[dict]) -> tuple[list[str], list[list[str]]]:
     by = {(r["case"], r["backend"], r["api"]): r for r in results}
     has_cudnn = any(r["backend"] == "cudnn" and r["api"] == "plan.run" and _ok(r) for r in results)
     has_fa3 = any(r["backend"] == FA3 and _ok(r) for r in results)
-    headers = (
-        list(BASE_HEADERS) + (["×cuDNN"] if has_cudnn else []) + (["×FA3"] if has_fa3 else []) + ["check"]
-    )
+    headers = list(BASE_HEADERS) + (["×cuDNN"] if has_cudnn else []) + (["×FA3"] if has_fa3 else []) + ["check"]
     rows, ratios = [], {}
     for r in results:
         bases = []
@@ -274,9 +285,15 @@ def table(results: list[dict]) -> tuple[list[str], list[list[str]]]:
         ratio = r.get("wall_over_device")
         dev = fmt(r.get("device_us"), 1) + ("" if r.get("preload_ok") in (True, None) else " (host gaps)")
         line = [
-            r["case"], r["backend"], r["api"], fmt(r["host_us"], 1), fmt(r["wall_us"], 1), dev,
-            f"{ratio:.2f}" if ratio else "–", fmt(r.get("tflops"), 1),
-        ]  # fmt: skip
+            r["case"],
+            r["backend"],
+            r["api"],
+            fmt(r["host_us"], 1),
+            fmt(r["wall_us"], 1),
+            dev,
+            f"{ratio:.2f}" if ratio else "–",
+            fmt(r.get("tflops"), 1),
+        ]
         for name, base in bases:
             if base is not None and base.get("wall_us") and not base.get("error"):
                 x = base["wall_us"] / r["wall_us"]
@@ -364,14 +381,8 @@ def run_layers(args: argparse.Namespace, device: torch.device, env: dict, rows_o
     if interrupted:
         say("== interrupted: partial results below")
     headers, rows = table(results)
-    notes = [
-        f"skipped: {r['case']} / {r['backend']} {r['api']}: {r['skipped']}"
-        for r in results
-        if r.get("skipped")
-    ]
-    notes += [
-        f"error: {r['case']} / {r['backend']} {r['api']}: {r['error']}" for r in results if r.get("error")
-    ]
+    notes = [f"skipped: {r['case']} / {r['backend']} {r['api']}: {r['skipped']}" for r in results if r.get("skipped")]
+    notes += [f"error: {r['case']} / {r['backend']} {r['api']}: {r['error']}" for r in results if r.get("error")]
     legend = (
         "host: µs to queue one call while the GPU is busy; wall: µs per layer of the whole step from an idle "
         "GPU, synchronised; device: µs per layer between events around all N calls (all queued first); "

@@ -39,9 +39,7 @@ def fa3_status() -> tuple[Callable | None, str]:
                 mod = importlib.import_module(name)
                 fn = mod.flash_attn_varlen_func
             except Exception as e:  # ImportError, or OSError from its CUDA extension
-                errors.append(
-                    f"{name}: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-                )
+                errors.append(f"{name}: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
                 continue
             version = _dist_version("fa3-fwd" if name == "fa3_fwd_interface" else "flash-attn-3")
             _FA3["status"] = (fn, f"{name}" + (f" ({version})" if version else ""))
@@ -88,9 +86,7 @@ def fa2_call(dense: dict) -> Callable[[], tuple]:
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise Skip(f"FlashAttention-2 needs fp16/bf16, not {q.dtype}", "unsupported")
     if k.shape[-1] != v.shape[-1] or q.shape[-1] > 256 or q.shape[-1] % 8:
-        raise Skip(
-            f"FlashAttention-2 needs Dqk == Dvo <= 256 (got {q.shape[-1]}/{v.shape[-1]})", "unsupported"
-        )
+        raise Skip(f"FlashAttention-2 needs Dqk == Dvo <= 256 (got {q.shape[-1]}/{v.shape[-1]})", "unsupported")
     try:
         op = torch.ops.aten._flash_attention_forward
     except Exception as e:

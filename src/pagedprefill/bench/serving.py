@@ -351,9 +351,7 @@ def run_serving(args: argparse.Namespace, device: torch.device, env: dict, rows_
         f"backends {', '.join(args.backend_names)}"
     )
     t0 = time.perf_counter()
-    calls = build_serving_calls(
-        cfg, steps, device, dtype, args.seed, args.device_lengths, args.serving_fixed_max
-    )
+    calls = build_serving_calls(cfg, steps, device, dtype, args.seed, args.device_lengths, args.serving_fixed_max)
     tokens = [sum(q) for q, _ in steps[warm:]]
     say(
         f"== inputs prebuilt in {time.perf_counter() - t0:.1f} s; measured calls: mean "
@@ -377,9 +375,7 @@ def run_serving(args: argparse.Namespace, device: torch.device, env: dict, rows_
             progress.step("serving", be)
             try:
                 row.update(
-                    run_serving_backend(
-                        be, calls, warm, flops_per_call, device, args.serving_checks, progress.write
-                    )
+                    run_serving_backend(be, calls, warm, flops_per_call, device, args.serving_checks, progress.write)
                 )
             except Skip as s:
                 row["skipped"] = str(s)
@@ -405,18 +401,29 @@ def run_serving(args: argparse.Namespace, device: torch.device, env: dict, rows_
 
 
 HEADERS = [
-    "backend", "calls", "builds", "compiles", "p50 ms", "p99 ms", "host p50 ms", "gpu p50 ms", "eff TFLOP/s",
-    "gpu TFLOP/s", "mem warm MiB", "mem end MiB", "growth MiB", "peak GiB", "check",
-]  # fmt: skip
+    "backend",
+    "calls",
+    "builds",
+    "compiles",
+    "p50 ms",
+    "p99 ms",
+    "host p50 ms",
+    "gpu p50 ms",
+    "eff TFLOP/s",
+    "gpu TFLOP/s",
+    "mem warm MiB",
+    "mem end MiB",
+    "growth MiB",
+    "peak GiB",
+    "check",
+]
 
 
 def table_rows(results: list[dict]) -> list[list[str]]:
     rows = []
     for r in results:
         if r.get("skipped") or r.get("error"):
-            rows.append(
-                [r["backend"], *["–"] * (len(HEADERS) - 2), "ERROR (above)" if r.get("error") else "skipped"]
-            )
+            rows.append([r["backend"], *["–"] * (len(HEADERS) - 2), "ERROR (above)" if r.get("error") else "skipped"])
             continue
 
         def num(key, digits=3, r=r):
@@ -430,19 +437,27 @@ def table_rows(results: list[dict]) -> list[list[str]]:
         growth = f"{r['mem_growth_mib']:+.3f}" if r.get("mem_growth_mib") is not None else "–"
         rows.append(
             [
-                r["backend"], str(r["calls"]), cnt("cudnn_graph_builds_after_warmup"),
-                cnt("triton_compiles_after_warmup"), num("p50_ms"), num("p99_ms"), num("host_p50_ms"),
-                num("gpu_p50_ms"), num("tflops_effective", 1), num("gpu_tflops", 1),
-                num("mem_after_warmup_mib", 1), num("mem_end_mib", 1), growth, num("peak_mem_gib", 2),
+                r["backend"],
+                str(r["calls"]),
+                cnt("cudnn_graph_builds_after_warmup"),
+                cnt("triton_compiles_after_warmup"),
+                num("p50_ms"),
+                num("p99_ms"),
+                num("host_p50_ms"),
+                num("gpu_p50_ms"),
+                num("tflops_effective", 1),
+                num("gpu_tflops", 1),
+                num("mem_after_warmup_mib", 1),
+                num("mem_end_mib", 1),
+                growth,
+                num("peak_mem_gib", 2),
                 _verdict(r),
             ]
-        )  # fmt: skip
+        )
     return rows
 
 
-def report(
-    results: list[dict], args: argparse.Namespace, device: torch.device, env: dict, interrupted: bool
-) -> int:
+def report(results: list[dict], args: argparse.Namespace, device: torch.device, env: dict, interrupted: bool) -> int:
     rows = table_rows(results)
     notes = []
     for r in results:

@@ -150,9 +150,7 @@ def _row_base(name: str, be: str, args: argparse.Namespace, env: dict) -> dict:
 def _result_line(name: str, be: str, row: dict) -> str:
     check = ""
     if row.get("ok") is not None:
-        check = (
-            f" | {'ok' if row['ok'] else 'CHECK FAILED'} rel {row['rel_err']:.2e} (tol {row['rel_tol']:g})"
-        )
+        check = f" | {'ok' if row['ok'] else 'CHECK FAILED'} rel {row['rel_err']:.2e} (tol {row['rel_tol']:g})"
         if row.get("lse_err") is not None:
             check += f" lse {row['lse_err']:.2e}"
     served = f" -> {row['served_by']}" if be == "auto" and row.get("served_by") else ""
@@ -218,9 +216,7 @@ def run_table(args: argparse.Namespace, device: torch.device, env: dict, rows_ou
                         progress.write("    " + "    ".join(traceback.format_exc().splitlines(True)[-6:]))
                         if device.type == "cuda" and not cuda_healthy():
                             broken = True
-                            progress.write(
-                                "  !! the CUDA context is broken; the remaining GPU runs are skipped"
-                            )
+                            progress.write("  !! the CUDA context is broken; the remaining GPU runs are skipped")
                 rows_out.write(row)
                 results.append(row)
             del case
@@ -235,9 +231,13 @@ def run_table(args: argparse.Namespace, device: torch.device, env: dict, rows_ou
 
 
 def report(
-    results: list[dict], backends: list[str], args: argparse.Namespace, device: torch.device, env: dict,
+    results: list[dict],
+    backends: list[str],
+    args: argparse.Namespace,
+    device: torch.device,
+    env: dict,
     interrupted: bool,
-) -> int:  # fmt: skip
+) -> int:
     """Print the summary (skips, errors, the table last) and write ``--markdown`` / ``--plot``."""
     if interrupted:
         say("== interrupted: partial results below")

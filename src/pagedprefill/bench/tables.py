@@ -160,9 +160,7 @@ def format_text_table(headers: list[Header] | list[str], rows: list[list[str]]) 
     return "\n".join(out)
 
 
-def write_markdown(
-    path: str | Path, title: str, headers: list, rows: list[list[str]], notes: list[str]
-) -> None:
+def write_markdown(path: str | Path, title: str, headers: list, rows: list[list[str]], notes: list[str]) -> None:
     """A markdown file: ``title`` (a paragraph), the table, then ``notes`` (one bullet each)."""
     names = [f"{h[0]} {h[1]}".strip() if isinstance(h, tuple) else h for h in headers]
     lines = [title, "", "| " + " | ".join(names) + " |", "|" + "|".join("---" for _ in names) + "|"]
@@ -202,9 +200,7 @@ def write_plot(path: str | Path, results: list[dict], backends: list[str], title
         bars = ax.bar(xs, ys, width, label=LABELS.get(be, be))
         for b, y in zip(bars, ys):
             if y:
-                ax.annotate(
-                    f"{y:.0f}", (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom", fontsize=7
-                )
+                ax.annotate(f"{y:.0f}", (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(workloads)))
     ax.set_xticklabels(workloads, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("TFLOP/s (median)")

@@ -179,9 +179,7 @@ class Burst:
     preload_ok: bool | None
 
 
-def time_burst(
-    step: Callable[[], None], n: int, device: torch.device, reps: int = 5, flush_l2: bool = True
-) -> Burst:
+def time_burst(step: Callable[[], None], n: int, device: torch.device, reps: int = 5, flush_l2: bool = True) -> Burst:
     """Median over ``reps`` of a step of ``n`` calls (``step`` runs all of them), see :class:`Burst`.
 
     On the CPU only the wall time is measured (host = wall, no device time)."""

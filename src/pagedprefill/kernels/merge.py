@@ -24,10 +24,35 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["n_rows", "n_states"])
     def merge_kernel(
-        VA, SA, VB, SB, VO, SO, n_rows, n_heads, n_states, sa_t, sa_n, sa_h, ssa_t, ssa_n, ssa_h, sb_t, sb_h,
-        ssb_t, ssb_h, so_t, so_h, sso_t, sso_h,
-        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BASE2: tl.constexpr, PAIR: tl.constexpr,
-    ):  # fmt: skip
+        VA,
+        SA,
+        VB,
+        SB,
+        VO,
+        SO,
+        n_rows,
+        n_heads,
+        n_states,
+        sa_t,
+        sa_n,
+        sa_h,
+        ssa_t,
+        ssa_n,
+        ssa_h,
+        sb_t,
+        sb_h,
+        ssb_t,
+        ssb_h,
+        so_t,
+        so_h,
+        sso_t,
+        sso_h,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BASE2: tl.constexpr,
+        PAIR: tl.constexpr,
+    ):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         ok = rows < n_rows
         t = (rows // n_heads).to(tl.int64)
@@ -60,8 +85,11 @@ if triton is not None:
         has = total > 0.0
         inv = tl.where(has, 1.0 / tl.where(has, total, 1.0), 0.0)
         out = acc * inv[:, None]
-        tl.store(VO + t[:, None] * so_t + h[:, None] * so_h + d[None, :], out.to(VO.dtype.element_ty),
-                 mask=ok[:, None] & d_ok[None, :])  # fmt: skip
+        tl.store(
+            VO + t[:, None] * so_t + h[:, None] * so_h + d[None, :],
+            out.to(VO.dtype.element_ty),
+            mask=ok[:, None] & d_ok[None, :],
+        )
         if tl.program_id(1) == 0:
             lse = tl.where(has, m_use + tl.math.log2(tl.where(has, total, 1.0)), float("-inf"))
             if not BASE2:

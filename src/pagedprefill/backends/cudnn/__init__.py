@@ -95,8 +95,10 @@ class CudnnPlan:
         self.fix = h is None or (spec is not None and prepare.skipped_rows(spec, h.lens_q, h.lens_kv))
         self._views: tuple | None = None
         self._static: tuple | None = None
-        self.triton = batch.device.type == "cuda" and launch.unavailable_reason(batch.device) is None and (
-            prepare._prepare_kernel is not None
+        self.triton = (
+            batch.device.type == "cuda"
+            and launch.unavailable_reason(batch.device) is None
+            and (prepare._prepare_kernel is not None)
         )
 
     def views(self, scratch: Tensor) -> _Views:
@@ -122,9 +124,15 @@ class CudnnPlan:
     def _operands(self, t: CallTensors, views: _Views) -> dict[str, Any]:
         rows = views.ints
         ops: dict[str, Any] = {
-            "q": t.q, "k": t.k, "v": t.v, "o": t.out, "seq_q": rows[prepare.R_SEQ_Q], "seq_kv": rows[prepare.R_SEQ_KV],
-            "off_q": rows[prepare.R_OFF_Q], "off_o": rows[prepare.R_OFF_O],
-        }  # fmt: skip
+            "q": t.q,
+            "k": t.k,
+            "v": t.v,
+            "o": t.out,
+            "seq_q": rows[prepare.R_SEQ_Q],
+            "seq_kv": rows[prepare.R_SEQ_KV],
+            "off_q": rows[prepare.R_OFF_Q],
+            "off_o": rows[prepare.R_OFF_O],
+        }
         spec = self.graph.spec
         if spec.paged:
             ops["table_k"] = ops["table_v"] = views.table
@@ -195,9 +203,20 @@ class CudnnPlan:
         n_idx = prepare.table_span(t.pages) if batch.paged else 0
         if self.triton:
             prepare.prepare_triton(
-                plan.spec, plan.layout, views.ints, views.table, t.meta, t.pages, t.out, t.lse, t.sinks,
-                batch.batch_size, n_idx, self.fix, batch.work_q,
-            )  # fmt: skip
+                plan.spec,
+                plan.layout,
+                views.ints,
+                views.table,
+                t.meta,
+                t.pages,
+                t.out,
+                t.lse,
+                t.sinks,
+                batch.batch_size,
+                n_idx,
+                self.fix,
+                batch.work_q,
+            )
             if self.has_rows(t):
                 self.execute(t, views)
             return

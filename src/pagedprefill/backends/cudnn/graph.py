@@ -115,7 +115,11 @@ class GraphSpec:
     max_kv: int  # bucketed max kv length (paged: paged_attention_max_seq_len_kv)
 
     def describe(self) -> str:
-        kv = f"paged ps={self.page_size} pages={self.num_pages} table_w={self.table_width}" if self.paged else "ragged kv"
+        kv = (
+            f"paged ps={self.page_size} pages={self.num_pages} table_w={self.table_width}"
+            if self.paged
+            else "ragged kv"
+        )
         lse = ("packed" if self.lse_packed else "padded") if self.lse else "none"
         return (
             f"{self.q_dtype}/{self.kv_dtype}->{self.o_dtype} Hq={self.num_qo_heads} Hkv={self.num_kv_heads} "
@@ -377,7 +381,9 @@ def make_graph(spec: GraphSpec, cudnn: Any, **graph_kwargs: Any) -> tuple[Any, d
     def ragged(name: str, heads: int, s: int, d: int, strides: tuple[int, ...], dtype: Any) -> Any:
         s0, s1 = strides
         off = vec(f"off_{name}", bb + 1)
-        t[name] = g.tensor(name=name, dim=[bb, heads, s, d], stride=[s * s0, s1, s0, 1], data_type=dtype, ragged_offset=off)
+        t[name] = g.tensor(
+            name=name, dim=[bb, heads, s, d], stride=[s * s0, s1, s0, 1], data_type=dtype, ragged_offset=off
+        )
         return t[name]
 
     q = ragged("q", hq, sq, dqk, spec.q_strides, io)
@@ -398,19 +404,36 @@ def make_graph(spec: GraphSpec, cudnn: Any, **graph_kwargs: Any) -> tuple[Any, d
     seq_q, seq_kv = vec("seq_q", bb), vec("seq_kv", bb)
 
     kwargs: dict[str, Any] = dict(
-        attn_scale=spec.scale, generate_stats=spec.lse, use_padding_mask=True, seq_len_q=seq_q, seq_len_kv=seq_kv,
-        compute_data_type=f32, name="sdpa",
-    )  # fmt: skip
+        attn_scale=spec.scale,
+        generate_stats=spec.lse,
+        use_padding_mask=True,
+        seq_len_q=seq_q,
+        seq_len_kv=seq_kv,
+        compute_data_type=f32,
+        name="sdpa",
+    )
     if spec.paged:
-        kwargs.update(paged_attention_k_table=t["table_k"], paged_attention_v_table=t["table_v"],
-                      paged_attention_max_seq_len_kv=skv)  # fmt: skip
+        kwargs.update(
+            paged_attention_k_table=t["table_k"],
+            paged_attention_v_table=t["table_v"],
+            paged_attention_max_seq_len_kv=skv,
+        )
     if spec.fp8:
         for name in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o"):
             t[name] = g.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=f32)
         if spec.causal:
             kwargs["use_causal_mask_bottom_right"] = True
         o, stats, amax_s, amax_o = g.sdpa_fp8(
-            q, k, v, t["descale_q"], t["descale_k"], t["descale_v"], t["descale_s"], t["scale_s"], t["scale_o"], **kwargs
+            q,
+            k,
+            v,
+            t["descale_q"],
+            t["descale_k"],
+            t["descale_v"],
+            t["descale_s"],
+            t["scale_s"],
+            t["scale_o"],
+            **kwargs,
         )
         for name, a in (("amax_s", amax_s), ("amax_o", amax_o)):
             a.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(f32)
@@ -471,7 +494,8 @@ def _refusal(spec: GraphSpec, dev: int, exc: BaseException) -> str:
         major, minor = torch.cuda.get_device_capability(dev)
         return f"cuDNN refuses fp8 attention on this GPU (sm{major}{minor}): {msg}"
     hint = " (return_lse=False or backend='triton' may serve the call)" if spec.lse else ""
-    return f"cuDNN {backend_version()} could not build this attention graph ({spec.describe()}): {type(exc).__name__}: {msg}{hint}"
+    built = f"cuDNN {backend_version()} could not build this attention graph ({spec.describe()})"
+    return f"{built}: {type(exc).__name__}: {msg}{hint}"
 
 
 def covering_plan(key: tuple) -> Plan | None:

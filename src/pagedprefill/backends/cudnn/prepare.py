@@ -25,7 +25,7 @@ from torch import Tensor
 
 from pagedprefill.kernels.launch import fast_launch, triton
 
-from .graph import ROWS, GraphSpec, ScratchLayout
+from .graph import GraphSpec, ScratchLayout
 
 if triton is not None:
     import triton.language as tl
@@ -74,17 +74,57 @@ def handed_rows(spec: GraphSpec, lens_q, lens_kv) -> int:
 
 if triton is not None:
     _PREP_INTS = [
-        "meta_stride", "n_seq", "n_table", "row", "width", "num_pages", "page_size", "num_indices", "sq0", "so0",
-        "sk0", "sv0", "num_heads", "stride_ot", "stride_oh",
-    ]  # fmt: skip
+        "meta_stride",
+        "n_seq",
+        "n_table",
+        "row",
+        "width",
+        "num_pages",
+        "page_size",
+        "num_indices",
+        "sq0",
+        "so0",
+        "sk0",
+        "sv0",
+        "num_heads",
+        "stride_ot",
+        "stride_oh",
+    ]
 
     @triton.jit(do_not_specialize=_PREP_INTS)
     def _prepare_kernel(
-        META, meta_stride, n_seq, n_table, INTS, row, BT, TABLE, width, num_pages, page_size, num_indices,
-        sq0, so0, sk0, sv0, num_heads, Out, stride_ot, stride_oh, LSE, SINKS,
-        PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_LSE: tl.constexpr, HAS_SINKS: tl.constexpr,
-        FIX: tl.constexpr, BLOCK_W: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    ):  # fmt: skip
+        META,
+        meta_stride,
+        n_seq,
+        n_table,
+        INTS,
+        row,
+        BT,
+        TABLE,
+        width,
+        num_pages,
+        page_size,
+        num_indices,
+        sq0,
+        so0,
+        sk0,
+        sv0,
+        num_heads,
+        Out,
+        stride_ot,
+        stride_oh,
+        LSE,
+        SINKS,
+        PAGED: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        HAS_LSE: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
+        FIX: tl.constexpr,
+        BLOCK_W: tl.constexpr,
+        DV: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
         """Program (b, r), b < ``row``: with r == 0, entry b of metadata rows 0..6 (zeros past the
         batch) and, b < ``n_table``, row b of our page table; every r: the rows of sequence b that see
         no key, rows r, r + R, ... of them. Those rows are exactly the ones cuDNN is told to skip, so
@@ -159,15 +199,41 @@ def prepare_triton(spec, layout, ints, table, meta, pages, out, lse, sinks, batc
     block_h = max(1, min(triton.next_power_of_2(spec.num_qo_heads), 4096 // block_d))
     grid = (layout.row, min(FIX_PROGRAMS, max(max_q, 1)) if fix else 1)
     args = (
-        meta, meta.stride(0), batch_size, spec.batch, ints, layout.row, pages if pages is not None else meta,
-        table if table is not None else ints, spec.table_width, spec.num_pages, max(spec.page_size, 1), num_indices,
-        spec.q_strides[0], spec.o_strides[0], spec.k_strides[0], spec.v_strides[0], spec.num_qo_heads, out,
-        out.stride(0), out.stride(1), lse if lse is not None else meta, sinks if sinks is not None else meta,
-    )  # fmt: skip
+        meta,
+        meta.stride(0),
+        batch_size,
+        spec.batch,
+        ints,
+        layout.row,
+        pages if pages is not None else meta,
+        table if table is not None else ints,
+        spec.table_width,
+        spec.num_pages,
+        max(spec.page_size, 1),
+        num_indices,
+        spec.q_strides[0],
+        spec.o_strides[0],
+        spec.k_strides[0],
+        spec.v_strides[0],
+        spec.num_qo_heads,
+        out,
+        out.stride(0),
+        out.stride(1),
+        lse if lse is not None else meta,
+        sinks if sinks is not None else meta,
+    )
     kwargs = dict(
-        PAGED=spec.paged, CAUSAL=spec.causal, HAS_LSE=spec.lse, HAS_SINKS=spec.sinks, FIX=fix, BLOCK_W=1024,
-        DV=spec.head_dim_vo, BLOCK_D=block_d, BLOCK_H=block_h, num_warps=4,
-    )  # fmt: skip
+        PAGED=spec.paged,
+        CAUSAL=spec.causal,
+        HAS_LSE=spec.lse,
+        HAS_SINKS=spec.sinks,
+        FIX=fix,
+        BLOCK_W=1024,
+        DV=spec.head_dim_vo,
+        BLOCK_D=block_d,
+        BLOCK_H=block_h,
+        num_warps=4,
+    )
     fast_launch(_prepare_kernel, grid, args, kwargs)
 
 
@@ -193,9 +259,11 @@ def prepare_torch(spec, layout, consts, ints, table, meta, pages, batch_size, nu
     zero = torch.zeros_like(lq)
     hq = spec.num_qo_heads
     rows = [
-        eff, torch.where(e, lkv, 0), torch.where(e, (qs + skip) * spec.q_strides[0], 0),
+        eff,
+        torch.where(e, lkv, 0),
+        torch.where(e, (qs + skip) * spec.q_strides[0], 0),
         torch.where(e, (os_ + skip) * spec.o_strides[0], 0),
-    ]  # fmt: skip
+    ]
     if spec.paged:
         rows += [zero, zero]
     else:

@@ -208,26 +208,53 @@ class Fa2Plan:
         page = batch.page_size
         self.n_m = num_m_blocks(batch, cfg)
         self.kwargs = dict(
-            GROUP=batch.group_size, PAGE_SIZE=page, PAGE_PER_TILE=bool(page and page % cfg.BLOCK_N == 0),
-            DQ0=dq0, DQ0_REAL=dq0r, DQ1=dq1, DQ1_REAL=dq1r, DV0=dv0, DV0_REAL=dv0r, DV1=dv1, DV1_REAL=dv1r,
-            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, CDT=_tl_dtype(cdt), PREC="ieee" if cdt == torch.float32 else "tf32",
-            CAUSAL=batch.causal, HAS_LSE=batch.has_lse and splits == 1, HAS_Q_SCALE=batch.q_scaled,
-            HAS_K_SCALE=batch.k_scaled, HAS_V_SCALE=batch.v_scaled and splits == 1,
-            MAYBE_NEG_SCALE=batch.scale < 0 or batch.q_scaled or batch.k_scaled, SPLIT=splits > 1,
-            LAZY_RESCALE=bool(cfg.lazy), WINDOW=batch.window_left >= 0, SOFTCAP=batch.logits_soft_cap > 0,
-            HAS_SINKS=batch.has_sinks, FAST_TANH=not INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
+            GROUP=batch.group_size,
+            PAGE_SIZE=page,
+            PAGE_PER_TILE=bool(page and page % cfg.BLOCK_N == 0),
+            DQ0=dq0,
+            DQ0_REAL=dq0r,
+            DQ1=dq1,
+            DQ1_REAL=dq1r,
+            DV0=dv0,
+            DV0_REAL=dv0r,
+            DV1=dv1,
+            DV1_REAL=dv1r,
+            BLOCK_M=cfg.BLOCK_M,
+            BLOCK_N=cfg.BLOCK_N,
+            CDT=_tl_dtype(cdt),
+            PREC="ieee" if cdt == torch.float32 else "tf32",
+            CAUSAL=batch.causal,
+            HAS_LSE=batch.has_lse and splits == 1,
+            HAS_Q_SCALE=batch.q_scaled,
+            HAS_K_SCALE=batch.k_scaled,
+            HAS_V_SCALE=batch.v_scaled and splits == 1,
+            MAYBE_NEG_SCALE=batch.scale < 0 or batch.q_scaled or batch.k_scaled,
+            SPLIT=splits > 1,
+            LAZY_RESCALE=bool(cfg.lazy),
+            WINDOW=batch.window_left >= 0,
+            SOFTCAP=batch.logits_soft_cap > 0,
+            HAS_SINKS=batch.has_sinks,
+            FAST_TANH=not INTERPRETED,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
         dv_p2 = _pow2_ceil(batch.head_dim_vo)
         block_h = min(_pow2_ceil(batch.num_qo_heads), 16)
         self.merge_kwargs = dict(
-            DV=batch.head_dim_vo, DV_P2=dv_p2, BLOCK_H=block_h, HAS_LSE=batch.has_lse, HAS_V_SCALE=batch.v_scaled,
-            HAS_SINKS=batch.has_sinks, num_warps=4, num_stages=1,
-        )  # fmt: skip
+            DV=batch.head_dim_vo,
+            DV_P2=dv_p2,
+            BLOCK_H=block_h,
+            HAS_LSE=batch.has_lse,
+            HAS_V_SCALE=batch.v_scaled,
+            HAS_SINKS=batch.has_sinks,
+            num_warps=4,
+            num_stages=1,
+        )
         self.merge_grid_h = -(-batch.num_qo_heads // block_h)
 
     def launches(self, t: CallTensors) -> list:
         """The ``(kernel, grid, args, kwargs)`` of one run."""
-        batch, cfg, splits = self.batch, self.cfg, self.splits
+        batch, splits = self.batch, self.splits
         bsz, hkv = batch.batch_size, batch.num_kv_heads
         meta = t.meta
         dummy = meta
@@ -257,19 +284,55 @@ class Fa2Plan:
         plans = []
         for b0, nb, z0, nz in grid_chunks(bsz, self.n_m * splits):
             args = (
-                q, k, v, out, lse, meta, bt, *scales, sinks, po, pl, float(batch.scale) * LOG2E,
-                float(batch.logits_soft_cap), batch.window_left, meta.stride(0), b0, z0, self.n_m, batch.num_pages,
-                q.stride(0), q.stride(1), *kstr, *vstr, out.stride(0), out.stride(1), batch.num_qo_heads,
-                batch.work_q, splits,
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                out,
+                lse,
+                meta,
+                bt,
+                *scales,
+                sinks,
+                po,
+                pl,
+                float(batch.scale) * LOG2E,
+                float(batch.logits_soft_cap),
+                batch.window_left,
+                meta.stride(0),
+                b0,
+                z0,
+                self.n_m,
+                batch.num_pages,
+                q.stride(0),
+                q.stride(1),
+                *kstr,
+                *vstr,
+                out.stride(0),
+                out.stride(1),
+                batch.num_qo_heads,
+                batch.work_q,
+                splits,
+            )
             plans.append((fk.prefill_kernel, (hkv, nb, nz), args, self.kwargs))
         if splits > 1:
             for b0 in range(0, bsz, 65535):
                 nb = min(65535, bsz - b0)
                 args = (
-                    out, lse, meta, scales[2], sinks, po, pl, meta.stride(0), b0, batch.work_q, out.stride(0),
-                    out.stride(1), batch.num_qo_heads, splits,
-                )  # fmt: skip
+                    out,
+                    lse,
+                    meta,
+                    scales[2],
+                    sinks,
+                    po,
+                    pl,
+                    meta.stride(0),
+                    b0,
+                    batch.work_q,
+                    out.stride(0),
+                    out.stride(1),
+                    batch.num_qo_heads,
+                    splits,
+                )
                 plans.append((fk.merge_kernel, (batch.work_q, nb, self.merge_grid_h), args, self.merge_kwargs))
         return plans
 

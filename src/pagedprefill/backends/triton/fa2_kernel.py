@@ -35,9 +35,24 @@ def _tanh(x, FAST: tl.constexpr):
 
 @triton.jit
 def _kv_offsets(
-    BT_row, cols, kv_mask, kv_head, k_start, v_start, num_pages, stride_kn, stride_kh, stride_ks, stride_vn,
-    stride_vh, stride_vs, start_n, PAGE_SIZE: tl.constexpr, PAGE_PER_TILE: tl.constexpr, MASKED: tl.constexpr,
-):  # fmt: skip
+    BT_row,
+    cols,
+    kv_mask,
+    kv_head,
+    k_start,
+    v_start,
+    num_pages,
+    stride_kn,
+    stride_kh,
+    stride_ks,
+    stride_vn,
+    stride_vh,
+    stride_vs,
+    start_n,
+    PAGE_SIZE: tl.constexpr,
+    PAGE_PER_TILE: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     """int64 element offsets of the K rows and V rows of keys ``cols`` (one tile)."""
     if PAGE_SIZE == 0:  # ragged
         k_off = (k_start + cols).to(tl.int64) * stride_kn
@@ -63,7 +78,9 @@ def _load_cols(ptr, rows_off, row_mask, C0: tl.constexpr, N: tl.constexpr, REAL:
     ``row_mask`` read as 0."""
     d = C0 + tl.arange(0, N)
     if REAL < N:
-        return tl.load(ptr + rows_off[:, None] + d[None, :], mask=row_mask[:, None] & (d < C0 + REAL)[None, :], other=0.0)
+        return tl.load(
+            ptr + rows_off[:, None] + d[None, :], mask=row_mask[:, None] & (d < C0 + REAL)[None, :], other=0.0
+        )
     if MASKED:
         return tl.load(ptr + rows_off[:, None] + d[None, :], mask=row_mask[:, None], other=0.0)
     return tl.load(ptr + rows_off[:, None] + d[None, :])
@@ -71,21 +88,74 @@ def _load_cols(ptr, rows_off, row_mask, C0: tl.constexpr, N: tl.constexpr, REAL:
 
 @triton.jit
 def _attend_tile(
-    acc0, acc1, l_i, m_i, q0, q1, K, V, BT_row, start_n, kv_len, diag, qk_scale, cap_in, cap_out, window,
-    kv_head, k_start, v_start, num_pages, stride_kn, stride_kh, stride_ks, stride_vn, stride_vh, stride_vs,
-    CDT: tl.constexpr, PREC: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_PER_TILE: tl.constexpr,
-    DQ0: tl.constexpr, DQ0_REAL: tl.constexpr, DQ1: tl.constexpr, DQ1_REAL: tl.constexpr,
-    DV0: tl.constexpr, DV0_REAL: tl.constexpr, DV1: tl.constexpr, DV1_REAL: tl.constexpr,
-    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    FAST_TANH: tl.constexpr, MASKED: tl.constexpr, LAZY: tl.constexpr,
-):  # fmt: skip
+    acc0,
+    acc1,
+    l_i,
+    m_i,
+    q0,
+    q1,
+    K,
+    V,
+    BT_row,
+    start_n,
+    kv_len,
+    diag,
+    qk_scale,
+    cap_in,
+    cap_out,
+    window,
+    kv_head,
+    k_start,
+    v_start,
+    num_pages,
+    stride_kn,
+    stride_kh,
+    stride_ks,
+    stride_vn,
+    stride_vh,
+    stride_vs,
+    CDT: tl.constexpr,
+    PREC: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PAGE_PER_TILE: tl.constexpr,
+    DQ0: tl.constexpr,
+    DQ0_REAL: tl.constexpr,
+    DQ1: tl.constexpr,
+    DQ1_REAL: tl.constexpr,
+    DV0: tl.constexpr,
+    DV0_REAL: tl.constexpr,
+    DV1: tl.constexpr,
+    DV1_REAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    FAST_TANH: tl.constexpr,
+    MASKED: tl.constexpr,
+    LAZY: tl.constexpr,
+):
     """One online-softmax step over keys [start_n, start_n + BLOCK_N)."""
     cols = start_n + tl.arange(0, BLOCK_N)
     kv_mask = cols < kv_len
     k_off, v_off = _kv_offsets(
-        BT_row, cols, kv_mask, kv_head, k_start, v_start, num_pages, stride_kn, stride_kh, stride_ks, stride_vn,
-        stride_vh, stride_vs, start_n, PAGE_SIZE, PAGE_PER_TILE, MASKED,
-    )  # fmt: skip
+        BT_row,
+        cols,
+        kv_mask,
+        kv_head,
+        k_start,
+        v_start,
+        num_pages,
+        stride_kn,
+        stride_kh,
+        stride_ks,
+        stride_vn,
+        stride_vh,
+        stride_vs,
+        start_n,
+        PAGE_SIZE,
+        PAGE_PER_TILE,
+        MASKED,
+    )
     # S = Q K^T, head dim in up to two power-of-two parts
     k0 = _load_cols(K, k_off, kv_mask, 0, DQ0, DQ0_REAL, MASKED)
     qk = tl.dot(q0, tl.trans(k0.to(CDT)), input_precision=PREC)
@@ -148,26 +218,82 @@ def _attend_tile(
 
 
 @triton.jit(
-    do_not_specialize=["meta_stride", "b_offset", "m_offset", "num_m_blocks", "num_pages", "max_q", "num_splits",
-                       "window"],  # fmt: skip
+    do_not_specialize=[
+        "meta_stride",
+        "b_offset",
+        "m_offset",
+        "num_m_blocks",
+        "num_pages",
+        "max_q",
+        "num_splits",
+        "window",
+    ],
     # a caller's table / lse may be a slice at any 4-byte offset: no alignment variants
     do_not_specialize_on_alignment=["BT", "LSE"],
 )
 def prefill_kernel(
-    Q, K, V, Out, LSE, META, BT, QS, KS, VS, SINKS,
+    Q,
+    K,
+    V,
+    Out,
+    LSE,
+    META,
+    BT,
+    QS,
+    KS,
+    VS,
+    SINKS,
     PO,  # split-KV partial outputs (float32), or a dummy
     PL,  # split-KV partial LSEs (float32, log2 units), or a dummy
-    sm_scale_log2, softcap, window, meta_stride, b_offset, m_offset, num_m_blocks, num_pages, stride_qt, stride_qh,
-    stride_kn, stride_kh, stride_ks, stride_vn, stride_vh, stride_vs, stride_ot, stride_oh, num_heads_q, max_q,
+    sm_scale_log2,
+    softcap,
+    window,
+    meta_stride,
+    b_offset,
+    m_offset,
+    num_m_blocks,
+    num_pages,
+    stride_qt,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_ks,
+    stride_vn,
+    stride_vh,
+    stride_vs,
+    stride_ot,
+    stride_oh,
+    num_heads_q,
+    max_q,
     num_splits,
-    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_PER_TILE: tl.constexpr,
-    DQ0: tl.constexpr, DQ0_REAL: tl.constexpr, DQ1: tl.constexpr, DQ1_REAL: tl.constexpr,
-    DV0: tl.constexpr, DV0_REAL: tl.constexpr, DV1: tl.constexpr, DV1_REAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CDT: tl.constexpr, PREC: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_LSE: tl.constexpr, HAS_Q_SCALE: tl.constexpr, HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr,
-    MAYBE_NEG_SCALE: tl.constexpr, SPLIT: tl.constexpr, LAZY_RESCALE: tl.constexpr, WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, FAST_TANH: tl.constexpr,
-):  # fmt: skip
+    GROUP: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PAGE_PER_TILE: tl.constexpr,
+    DQ0: tl.constexpr,
+    DQ0_REAL: tl.constexpr,
+    DQ1: tl.constexpr,
+    DQ1_REAL: tl.constexpr,
+    DV0: tl.constexpr,
+    DV0_REAL: tl.constexpr,
+    DV1: tl.constexpr,
+    DV1_REAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CDT: tl.constexpr,
+    PREC: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_LSE: tl.constexpr,
+    HAS_Q_SCALE: tl.constexpr,
+    HAS_K_SCALE: tl.constexpr,
+    HAS_V_SCALE: tl.constexpr,
+    MAYBE_NEG_SCALE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    FAST_TANH: tl.constexpr,
+):
     kv_head = tl.program_id(0)
     b = tl.program_id(1) + b_offset
     pid_m = tl.program_id(2) + m_offset
@@ -255,25 +381,148 @@ def prefill_kernel(
         if WINDOW:
             for start_n in range(lo, a1, BLOCK_N):
                 acc0, acc1, l_i, m_i = _attend_tile(
-                    acc0, acc1, l_i, m_i, q0, q1, K, V, BT_row, start_n, kv_len, diag, qk_scale, cap_in, cap_out,
-                    window, kv_head, k_start, v_start, num_pages, stride_kn, stride_kh, stride_ks, stride_vn,
-                    stride_vh, stride_vs, CDT, PREC, PAGE_SIZE, PAGE_PER_TILE, DQ0, DQ0_REAL, DQ1, DQ1_REAL, DV0,
-                    DV0_REAL, DV1, DV1_REAL, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, FAST_TANH, True, LAZY_RESCALE,
-                )  # fmt: skip
+                    acc0,
+                    acc1,
+                    l_i,
+                    m_i,
+                    q0,
+                    q1,
+                    K,
+                    V,
+                    BT_row,
+                    start_n,
+                    kv_len,
+                    diag,
+                    qk_scale,
+                    cap_in,
+                    cap_out,
+                    window,
+                    kv_head,
+                    k_start,
+                    v_start,
+                    num_pages,
+                    stride_kn,
+                    stride_kh,
+                    stride_ks,
+                    stride_vn,
+                    stride_vh,
+                    stride_vs,
+                    CDT,
+                    PREC,
+                    PAGE_SIZE,
+                    PAGE_PER_TILE,
+                    DQ0,
+                    DQ0_REAL,
+                    DQ1,
+                    DQ1_REAL,
+                    DV0,
+                    DV0_REAL,
+                    DV1,
+                    DV1_REAL,
+                    BLOCK_N,
+                    CAUSAL,
+                    WINDOW,
+                    SOFTCAP,
+                    FAST_TANH,
+                    True,
+                    LAZY_RESCALE,
+                )
         for start_n in range(a1, a2, BLOCK_N):
             acc0, acc1, l_i, m_i = _attend_tile(
-                acc0, acc1, l_i, m_i, q0, q1, K, V, BT_row, start_n, kv_len, diag, qk_scale, cap_in, cap_out,
-                window, kv_head, k_start, v_start, num_pages, stride_kn, stride_kh, stride_ks, stride_vn, stride_vh,
-                stride_vs, CDT, PREC, PAGE_SIZE, PAGE_PER_TILE, DQ0, DQ0_REAL, DQ1, DQ1_REAL, DV0, DV0_REAL, DV1,
-                DV1_REAL, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, FAST_TANH, False, LAZY_RESCALE,
-            )  # fmt: skip
+                acc0,
+                acc1,
+                l_i,
+                m_i,
+                q0,
+                q1,
+                K,
+                V,
+                BT_row,
+                start_n,
+                kv_len,
+                diag,
+                qk_scale,
+                cap_in,
+                cap_out,
+                window,
+                kv_head,
+                k_start,
+                v_start,
+                num_pages,
+                stride_kn,
+                stride_kh,
+                stride_ks,
+                stride_vn,
+                stride_vh,
+                stride_vs,
+                CDT,
+                PREC,
+                PAGE_SIZE,
+                PAGE_PER_TILE,
+                DQ0,
+                DQ0_REAL,
+                DQ1,
+                DQ1_REAL,
+                DV0,
+                DV0_REAL,
+                DV1,
+                DV1_REAL,
+                BLOCK_N,
+                CAUSAL,
+                WINDOW,
+                SOFTCAP,
+                FAST_TANH,
+                False,
+                LAZY_RESCALE,
+            )
         for start_n in range(a2, hi, BLOCK_N):
             acc0, acc1, l_i, m_i = _attend_tile(
-                acc0, acc1, l_i, m_i, q0, q1, K, V, BT_row, start_n, kv_len, diag, qk_scale, cap_in, cap_out,
-                window, kv_head, k_start, v_start, num_pages, stride_kn, stride_kh, stride_ks, stride_vn, stride_vh,
-                stride_vs, CDT, PREC, PAGE_SIZE, PAGE_PER_TILE, DQ0, DQ0_REAL, DQ1, DQ1_REAL, DV0, DV0_REAL, DV1,
-                DV1_REAL, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, FAST_TANH, True, LAZY_RESCALE,
-            )  # fmt: skip
+                acc0,
+                acc1,
+                l_i,
+                m_i,
+                q0,
+                q1,
+                K,
+                V,
+                BT_row,
+                start_n,
+                kv_len,
+                diag,
+                qk_scale,
+                cap_in,
+                cap_out,
+                window,
+                kv_head,
+                k_start,
+                v_start,
+                num_pages,
+                stride_kn,
+                stride_kh,
+                stride_ks,
+                stride_vn,
+                stride_vh,
+                stride_vs,
+                CDT,
+                PREC,
+                PAGE_SIZE,
+                PAGE_PER_TILE,
+                DQ0,
+                DQ0_REAL,
+                DQ1,
+                DQ1_REAL,
+                DV0,
+                DV0_REAL,
+                DV1,
+                DV1_REAL,
+                BLOCK_N,
+                CAUSAL,
+                WINDOW,
+                SOFTCAP,
+                FAST_TANH,
+                True,
+                LAZY_RESCALE,
+            )
 
         if HAS_SINKS and not SPLIT:  # the sink joins the denominator (m_i, l_i, acc share one max)
             sink2 = tl.load(SINKS + head) * LOG2E
@@ -295,7 +544,9 @@ def prefill_kernel(
         if SPLIT:
             # partials: PO[split, b, tok, head, :] float32, PL[split, b, tok, head] (log2 units)
             prow = ((split * meta_stride + b).to(tl.int64) * max_q + tok) * num_heads_q + head
-            tl.store(PO + prow[:, None] * DV + dv0[None, :], acc0 * inv_l[:, None], mask=row_ok[:, None] & dv0_ok[None, :])
+            tl.store(
+                PO + prow[:, None] * DV + dv0[None, :], acc0 * inv_l[:, None], mask=row_ok[:, None] & dv0_ok[None, :]
+            )
             if DV1 > 0:
                 o1 = acc1 * inv_l[:, None]
                 tl.store(PO + prow[:, None] * DV + dv1[None, :], o1, mask=row_ok[:, None] & dv1_ok[None, :])
@@ -322,10 +573,27 @@ def prefill_kernel(
     do_not_specialize_on_alignment=["LSE"],
 )
 def merge_kernel(
-    Out, LSE, META, VS, SINKS, PO, PL, meta_stride, b_offset, max_q, stride_ot, stride_oh, num_heads_q, num_splits,
-    DV: tl.constexpr, DV_P2: tl.constexpr, BLOCK_H: tl.constexpr, HAS_LSE: tl.constexpr, HAS_V_SCALE: tl.constexpr,
+    Out,
+    LSE,
+    META,
+    VS,
+    SINKS,
+    PO,
+    PL,
+    meta_stride,
+    b_offset,
+    max_q,
+    stride_ot,
+    stride_oh,
+    num_heads_q,
+    num_splits,
+    DV: tl.constexpr,
+    DV_P2: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_LSE: tl.constexpr,
+    HAS_V_SCALE: tl.constexpr,
     HAS_SINKS: tl.constexpr,
-):  # fmt: skip
+):
     """Combine the split-KV partials of one (sequence, token) for BLOCK_H heads."""
     b = tl.program_id(1) + b_offset
     tok = tl.program_id(0)

@@ -244,14 +244,29 @@ class HopperPlan:
         if got is None:
             batch, cfg = self.batch, self.cfg
             got = self._kwargs[key] = dict(
-                GROUP=batch.group_size, PAGE_SIZE=batch.page_size, DQK=batch.head_dim_qk, DVO=batch.head_dim_vo,
-                NC=cfg.consumers, BLOCK_N=cfg.BLOCK_N, CAUSAL=batch.causal, HAS_LSE=batch.has_lse,
-                STAGES=stages(batch, cfg), LOAD_WARPS=cfg.load_warps, CONS_REGS=cfg.consumer_regs,
-                LOAD_REGS=cfg.load_regs, USE_TMA=tma is not None, PAGE_BOX=self.box if tma is not None else 0,
-                K_HEAD_ROWS=bool(key[0]), V_HEAD_ROWS=bool(key[1]), Q_TMA=q_tma,
-                O_STAGE=o_stage_mode(batch, q_tma), WINDOW=batch.window_left >= 0,
-                SOFTCAP=batch.logits_soft_cap > 0, HAS_SINKS=batch.has_sinks, num_warps=4,
-            )  # fmt: skip
+                GROUP=batch.group_size,
+                PAGE_SIZE=batch.page_size,
+                DQK=batch.head_dim_qk,
+                DVO=batch.head_dim_vo,
+                NC=cfg.consumers,
+                BLOCK_N=cfg.BLOCK_N,
+                CAUSAL=batch.causal,
+                HAS_LSE=batch.has_lse,
+                STAGES=stages(batch, cfg),
+                LOAD_WARPS=cfg.load_warps,
+                CONS_REGS=cfg.consumer_regs,
+                LOAD_REGS=cfg.load_regs,
+                USE_TMA=tma is not None,
+                PAGE_BOX=self.box if tma is not None else 0,
+                K_HEAD_ROWS=bool(key[0]),
+                V_HEAD_ROWS=bool(key[1]),
+                Q_TMA=q_tma,
+                O_STAGE=o_stage_mode(batch, q_tma),
+                WINDOW=batch.window_left >= 0,
+                SOFTCAP=batch.logits_soft_cap > 0,
+                HAS_SINKS=batch.has_sinks,
+                num_warps=4,
+            )
         return got
 
     def launches(self, t: CallTensors) -> list:
@@ -273,12 +288,38 @@ class HopperPlan:
             q_desc = TensorDescriptor(q, list(q.shape), list(q.stride()), [64 // g, g, 64], layout)
         counter = t.scratch[:4].view(torch.int32) if self.dynamic else meta
         args = (
-            q, k, v, out, t.lse if t.lse is not None else meta, meta, bt, counter, self.dynamic,
-            float(batch.scale) * LOG2E, meta.stride(0), batch.batch_size, self.n_m, batch.num_pages, q.stride(0), q.stride(1), *kstr, *vstr, out.stride(0), out.stride(1), batch.num_qo_heads,
-            batch.num_kv_heads, self.chunk, tma[0][0] if tma else None, tma[2] if tma else None,
-            tma[1][0] if tma else None, q_desc, *tma_ints, batch.window_left, float(batch.logits_soft_cap),
+            q,
+            k,
+            v,
+            out,
+            t.lse if t.lse is not None else meta,
+            meta,
+            bt,
+            counter,
+            self.dynamic,
+            float(batch.scale) * LOG2E,
+            meta.stride(0),
+            batch.batch_size,
+            self.n_m,
+            batch.num_pages,
+            q.stride(0),
+            q.stride(1),
+            *kstr,
+            *vstr,
+            out.stride(0),
+            out.stride(1),
+            batch.num_qo_heads,
+            batch.num_kv_heads,
+            self.chunk,
+            tma[0][0] if tma else None,
+            tma[2] if tma else None,
+            tma[1][0] if tma else None,
+            q_desc,
+            *tma_ints,
+            batch.window_left,
+            float(batch.logits_soft_cap),
             t.sinks if t.sinks is not None else meta,
-        )  # fmt: skip
+        )
         return [(hk.attention_kernel, self.grid, args, self._constexprs(tma, q_tma))]
 
     def run(self, t: CallTensors) -> None:

@@ -69,9 +69,27 @@ class Geometry:
 
     @gluon.constexpr_function
     def __init__(
-        self, GROUP, PAGE_SIZE, DQK, DVO, NC, BLOCK_N, STAGES, CAUSAL, HAS_LSE, LOAD_WARPS, USE_TMA,
-        PAGE_BOX, K_HEAD_ROWS, V_HEAD_ROWS, Q_TMA, O_STAGE, WINDOW, SOFTCAP, SINKS,
-    ):  # fmt: skip
+        self,
+        GROUP,
+        PAGE_SIZE,
+        DQK,
+        DVO,
+        NC,
+        BLOCK_N,
+        STAGES,
+        CAUSAL,
+        HAS_LSE,
+        LOAD_WARPS,
+        USE_TMA,
+        PAGE_BOX,
+        K_HEAD_ROWS,
+        V_HEAD_ROWS,
+        Q_TMA,
+        O_STAGE,
+        WINDOW,
+        SOFTCAP,
+        SINKS,
+    ):
         self.GROUP = gl.constexpr(GROUP)
         self.PAGE_SIZE = gl.constexpr(PAGE_SIZE)
         self.DQ0 = gl.constexpr(DQK if DQK <= 128 else 128)
@@ -115,8 +133,9 @@ class WorkItem:
     n_tiles: gl.tensor  # key tiles covering [0, hi); 0 when every row is past the sequence
 
     @gluon.constexpr_function
-    def __init__(self, kv_head, row0, q_len, kv_len, q_start, o_start, lse_start, BT_row, k_start, v_start, hi,
-                 full, n_tiles):  # fmt: skip
+    def __init__(
+        self, kv_head, row0, q_len, kv_len, q_start, o_start, lse_start, BT_row, k_start, v_start, hi, full, n_tiles
+    ):
         self.kv_head = kv_head
         self.row0 = row0
         self.q_len = q_len
@@ -183,8 +202,23 @@ class Schedule:
     window: gl.tensor  # WINDOW: window_left
 
     @gluon.constexpr_function
-    def __init__(self, META, BT, meta_stride, num_kv_heads, n_bh, num_m_blocks, chunk, total, counter, dynamic,
-                 item_ids, item_full, item_empty, window):  # fmt: skip
+    def __init__(
+        self,
+        META,
+        BT,
+        meta_stride,
+        num_kv_heads,
+        n_bh,
+        num_m_blocks,
+        chunk,
+        total,
+        counter,
+        dynamic,
+        item_ids,
+        item_full,
+        item_empty,
+        window,
+    ):
         self.META = META
         self.BT = BT
         self.meta_stride = meta_stride
@@ -285,8 +319,9 @@ class Schedule:
             k_start = gl.load(META + 4 * meta_stride + b)
             v_start = gl.load(META + 5 * meta_stride + b)
         hi, n_tiles, full = _key_range(row0, q_len, kv_len, geo.BLOCK_M, geo)
-        return WorkItem(kv_head, row0, q_len, kv_len, q_start, o_start, lse_start, BT_row, k_start, v_start, hi,
-                        full, n_tiles)  # fmt: skip
+        return WorkItem(
+            kv_head, row0, q_len, kv_len, q_start, o_start, lse_start, BT_row, k_start, v_start, hi, full, n_tiles
+        )
 
 
 @aggregate
@@ -345,8 +380,22 @@ class KVSource:
     v_head_off: gl.tensor
 
     @gluon.constexpr_function
-    def __init__(self, K, V, num_pages, stride_kn, stride_kh, stride_ks, stride_vn, stride_vh, stride_vs,
-                 k_page_rows, k_head_off, v_page_rows, v_head_off):  # fmt: skip
+    def __init__(
+        self,
+        K,
+        V,
+        num_pages,
+        stride_kn,
+        stride_kh,
+        stride_ks,
+        stride_vn,
+        stride_vh,
+        stride_vs,
+        k_page_rows,
+        k_head_off,
+        v_page_rows,
+        v_head_off,
+    ):
         self.K = K
         self.V = V
         self.num_pages = num_pages
@@ -443,8 +492,9 @@ def _issue_q(q_desc, slots: QSlots, w: WorkItem, r, geo: Geometry):
 
 
 @gluon.jit
-def _load_partition(sched: Schedule, ring: KVRing, slots: QSlots, src: KVSource, k_desc, k1_desc, v_desc, q_desc,
-                    geo: Geometry):  # fmt: skip
+def _load_partition(
+    sched: Schedule, ring: KVRing, slots: QSlots, src: KVSource, k_desc, k1_desc, v_desc, q_desc, geo: Geometry
+):
     """Load warps: fill stage c % STAGES with the program's c-th key tile (counted across its work
     items) once every consumer released it.
 
@@ -541,8 +591,7 @@ class OutSink:
     SINKS: gl.tensor  # SINKS: float32 (Hq,) sink logits
 
     @gluon.constexpr_function
-    def __init__(self, Q, stride_qt, stride_qh, Out, LSE, stride_ot, stride_oh, num_heads_q, qk_scale, softcap,
-                 SINKS):  # fmt: skip
+    def __init__(self, Q, stride_qt, stride_qh, Out, LSE, stride_ot, stride_oh, num_heads_q, qk_scale, softcap, SINKS):
         self.Q = Q
         self.stride_qt = stride_qt
         self.stride_qh = stride_qh
@@ -562,8 +611,7 @@ def _tanh(x):
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, qk_scale, start_n, diag, kv_len, window, cap_out, MASKED: gl.constexpr,
-             geo: Geometry):  # fmt: skip
+def _softmax(s, m_i, l_i, qk_scale, start_n, diag, kv_len, window, cap_out, MASKED: gl.constexpr, geo: Geometry):
     """Online-softmax step on one S tile: returns (p, m, l, alpha), p unnormalised (fp32).
     SOFTCAP: the logit is cap_out * tanh(s * qk_scale) (qk_scale then folds 1 / cap in)."""
     if geo.SOFTCAP:
@@ -614,8 +662,9 @@ def _qk_async(q_sub, q1_sub, k_buf, k1_buf, s_zero, DQ1: gl.constexpr):
 
 
 @gluon.jit
-def _q_cols_async(buf, w: WorkItem, out: OutSink, R0: gl.constexpr, geo: Geometry, C0: gl.constexpr,
-                  NCOL: gl.constexpr):  # fmt: skip
+def _q_cols_async(
+    buf, w: WorkItem, out: OutSink, R0: gl.constexpr, geo: Geometry, C0: gl.constexpr, NCOL: gl.constexpr
+):
     """cp.async copies of columns [C0, C0 + NCOL) of work item w's Q rows [row0 + R0, row0 + R0 +
     SUB_M) into buf; rows past the sequence zero-filled."""
     GROUP: gl.constexpr = geo.GROUP
@@ -629,8 +678,7 @@ def _q_cols_async(buf, w: WorkItem, out: OutSink, R0: gl.constexpr, geo: Geometr
 
 
 @gluon.jit
-def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSink, R0: gl.constexpr,
-                        geo: Geometry):  # fmt: skip
+def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSink, R0: gl.constexpr, geo: Geometry):
     """One consumer warpgroup: rows [row0 + R0, row0 + R0 + SUB_M) of each work item's block."""
     GROUP: gl.constexpr = geo.GROUP
     DQ1: gl.constexpr = geo.DQ1
@@ -822,22 +870,91 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
     do_not_specialize_on_alignment=["BT", "LSE", "COUNTER", "SINKS"],
 )
 def attention_kernel(
-    Q, K, V, Out, LSE, META, BT, COUNTER, dynamic, sm_scale_log2, meta_stride, batch_size, num_m_blocks, num_pages,
-    stride_qt, stride_qh, stride_kn, stride_kh, stride_ks, stride_vn, stride_vh, stride_vs, stride_ot,
-    stride_oh, num_heads_q, num_kv_heads, chunk_pairs, k_desc, k1_desc, v_desc, q_desc, k_page_rows, k_head_off,
-    v_page_rows, v_head_off, window, softcap, SINKS,
-    GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, DQK: gl.constexpr, DVO: gl.constexpr, NC: gl.constexpr,
-    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, HAS_LSE: gl.constexpr, STAGES: gl.constexpr,
-    LOAD_WARPS: gl.constexpr, CONS_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, USE_TMA: gl.constexpr,
-    PAGE_BOX: gl.constexpr, K_HEAD_ROWS: gl.constexpr, V_HEAD_ROWS: gl.constexpr, Q_TMA: gl.constexpr,
-    O_STAGE: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, HAS_SINKS: gl.constexpr,
+    Q,
+    K,
+    V,
+    Out,
+    LSE,
+    META,
+    BT,
+    COUNTER,
+    dynamic,
+    sm_scale_log2,
+    meta_stride,
+    batch_size,
+    num_m_blocks,
+    num_pages,
+    stride_qt,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_ks,
+    stride_vn,
+    stride_vh,
+    stride_vs,
+    stride_ot,
+    stride_oh,
+    num_heads_q,
+    num_kv_heads,
+    chunk_pairs,
+    k_desc,
+    k1_desc,
+    v_desc,
+    q_desc,
+    k_page_rows,
+    k_head_off,
+    v_page_rows,
+    v_head_off,
+    window,
+    softcap,
+    SINKS,
+    GROUP: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    DQK: gl.constexpr,
+    DVO: gl.constexpr,
+    NC: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    HAS_LSE: gl.constexpr,
+    STAGES: gl.constexpr,
+    LOAD_WARPS: gl.constexpr,
+    CONS_REGS: gl.constexpr,
+    LOAD_REGS: gl.constexpr,
+    USE_TMA: gl.constexpr,
+    PAGE_BOX: gl.constexpr,
+    K_HEAD_ROWS: gl.constexpr,
+    V_HEAD_ROWS: gl.constexpr,
+    Q_TMA: gl.constexpr,
+    O_STAGE: gl.constexpr,
+    WINDOW: gl.constexpr,
+    SOFTCAP: gl.constexpr,
+    HAS_SINKS: gl.constexpr,
     num_warps: gl.constexpr,
-):  # fmt: skip
+):
     """LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each; the kernel's own
     num_warps (4) are the first consumer. The ``num_kv_heads * batch_size * num_m_blocks`` work
     items are dealt to a persistent grid (see :class:`Schedule`)."""
-    geo = Geometry(GROUP, PAGE_SIZE, DQK, DVO, NC, BLOCK_N, STAGES, CAUSAL, HAS_LSE, LOAD_WARPS, USE_TMA, PAGE_BOX,
-                   K_HEAD_ROWS, V_HEAD_ROWS, Q_TMA, O_STAGE, WINDOW, SOFTCAP, HAS_SINKS)  # fmt: skip
+    geo = Geometry(
+        GROUP,
+        PAGE_SIZE,
+        DQK,
+        DVO,
+        NC,
+        BLOCK_N,
+        STAGES,
+        CAUSAL,
+        HAS_LSE,
+        LOAD_WARPS,
+        USE_TMA,
+        PAGE_BOX,
+        K_HEAD_ROWS,
+        V_HEAD_ROWS,
+        Q_TMA,
+        O_STAGE,
+        WINDOW,
+        SOFTCAP,
+        HAS_SINKS,
+    )
     dtype: gl.constexpr = Q.dtype.element_ty
     SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
@@ -878,18 +995,52 @@ def attention_kernel(
     # ints specialised to 1 arrive as constexprs; partitions take tensors
     n_bh = gl.to_tensor(num_kv_heads) * batch_size
     total = n_bh * num_m_blocks
-    sched = Schedule(META, BT, gl.to_tensor(meta_stride), gl.to_tensor(num_kv_heads), n_bh, gl.to_tensor(num_m_blocks),
-                     gl.to_tensor(chunk_pairs), total, COUNTER, gl.to_tensor(dynamic),
-                     item_ids, item_full, item_empty, gl.to_tensor(window))  # fmt: skip
+    sched = Schedule(
+        META,
+        BT,
+        gl.to_tensor(meta_stride),
+        gl.to_tensor(num_kv_heads),
+        n_bh,
+        gl.to_tensor(num_m_blocks),
+        gl.to_tensor(chunk_pairs),
+        total,
+        COUNTER,
+        gl.to_tensor(dynamic),
+        item_ids,
+        item_full,
+        item_empty,
+        gl.to_tensor(window),
+    )
     ring = KVRing(k_smem, k1_smem, v_smem, kv_full, kv_empty)
     slots = QSlots(q_smem, q1_smem, q_full, q_empty)
-    src = KVSource(K, V, gl.to_tensor(num_pages), gl.to_tensor(stride_kn), gl.to_tensor(stride_kh),
-                   gl.to_tensor(stride_ks), gl.to_tensor(stride_vn), gl.to_tensor(stride_vh), gl.to_tensor(stride_vs),
-                   gl.to_tensor(k_page_rows), gl.to_tensor(k_head_off), gl.to_tensor(v_page_rows),
-                   gl.to_tensor(v_head_off))  # fmt: skip
-    out = OutSink(Q, gl.to_tensor(stride_qt), gl.to_tensor(stride_qh), Out, LSE, gl.to_tensor(stride_ot),
-                  gl.to_tensor(stride_oh), gl.to_tensor(num_heads_q), gl.to_tensor(sm_scale_log2),
-                  gl.to_tensor(softcap), SINKS)  # fmt: skip
+    src = KVSource(
+        K,
+        V,
+        gl.to_tensor(num_pages),
+        gl.to_tensor(stride_kn),
+        gl.to_tensor(stride_kh),
+        gl.to_tensor(stride_ks),
+        gl.to_tensor(stride_vn),
+        gl.to_tensor(stride_vh),
+        gl.to_tensor(stride_vs),
+        gl.to_tensor(k_page_rows),
+        gl.to_tensor(k_head_off),
+        gl.to_tensor(v_page_rows),
+        gl.to_tensor(v_head_off),
+    )
+    out = OutSink(
+        Q,
+        gl.to_tensor(stride_qt),
+        gl.to_tensor(stride_qh),
+        Out,
+        LSE,
+        gl.to_tensor(stride_ot),
+        gl.to_tensor(stride_oh),
+        gl.to_tensor(num_heads_q),
+        gl.to_tensor(sm_scale_log2),
+        gl.to_tensor(softcap),
+        SINKS,
+    )
     R0: gl.constexpr = 0
     R1: gl.constexpr = geo.SUB_M
     R2: gl.constexpr = 2 * geo.SUB_M
