@@ -6,7 +6,7 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 
 # Without CUDA the Triton kernels run in Triton's CPU interpreter, which Triton picks when the
-# kernels are decorated (first import of pagedprefill.backends.triton_backend): set it here, before
+# kernels are decorated (first import of pagedprefill.backends.triton): set it here, before
 # any test module is collected. An explicit value in the environment wins.
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
