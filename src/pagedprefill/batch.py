@@ -112,9 +112,9 @@ class Sequences:
 
 
 @dataclass(frozen=True)
-class PrefillBatch:
-    """One prefill call, checked: its :class:`Sequences` and the layouts of the layer's tensors.
-    B = ``batch_size``.
+class PrefillBatch(Sequences):
+    """One prefill call, checked: its :class:`Sequences` fields and the layouts of the layer's
+    tensors (B = ``batch_size``).
 
     ``max_q`` / ``max_kv`` are the caller's bounds (``max_token_per_sequence``,
     ``max_sequence_kv``; the padded LSE layout is ``(B, max_q, Hq)``); ``work_q`` / ``work_kv``
@@ -124,26 +124,6 @@ class PrefillBatch:
     computed on the device at every run (lengths or offsets given on the device).
     """
 
-    batch_size: int
-    max_q: int
-    max_kv: int
-    work_q: int
-    work_kv: int
-    num_qo_heads: int
-    num_kv_heads: int
-    head_dim_qk: int
-    head_dim_vo: int
-    page_size: int
-    pages: str
-    table_width: int
-    causal: bool
-    scale: float
-    window_left: int
-    logits_soft_cap: float
-    lse: str
-    graph_mode: bool
-    host: HostMetadata | None
-    table_stride: int
     num_pages: int
     q: Layout
     k: Layout
