@@ -393,16 +393,4 @@ def run_layers(args: argparse.Namespace, device: torch.device, env: dict, rows_o
     )
     title = f"layers mode ({n} layers), {env['gpu']} | torch {env['torch']} | triton {env['triton']}"
     title += f" | {env['date']}"
-    if args.markdown:
-        tables.write_markdown(args.markdown, title, headers, rows, [legend, *notes])
-        say(f"== wrote {args.markdown}")
-    for line in notes:
-        say(line)
-    say()
-    if device.type == "cpu":
-        say(f"== {CPU_NOTE}")
-    say(f"== {title}")
-    say(f"   {legend}")
-    say(tables.format_text_table(headers, rows))
-    failed = [r for r in results if r.get("ok") is False or r.get("error")]
-    return 130 if interrupted else (1 if failed else 0)
+    return tables.report_mode(args, device, title, legend, headers, rows, notes, results, interrupted)

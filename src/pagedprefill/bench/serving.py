@@ -477,16 +477,4 @@ def report(results: list[dict], args: argparse.Namespace, device: torch.device, 
         f"serving loop, {env['gpu']} | torch {env['torch']} | triton {env['triton']} | cudnn-frontend "
         f"{env['cudnn']} | cuDNN {env['cudnn_backend']} | {env['date']}"
     )
-    if args.markdown:
-        tables.write_markdown(args.markdown, title, HEADERS, rows, [legend, *notes])
-        say(f"== wrote {args.markdown}")
-    for line in notes:
-        say(line)
-    say()
-    if device.type == "cpu":
-        say(f"== {CPU_NOTE}")
-    say(f"== {title}")
-    say(f"   {legend}")
-    say(tables.format_text_table(HEADERS, rows))
-    failed = [r for r in results if r.get("ok") is False or r.get("error")]
-    return 130 if interrupted else (1 if failed else 0)
+    return tables.report_mode(args, device, title, legend, HEADERS, rows, notes, results, interrupted)

@@ -11,7 +11,7 @@ import json
 import math
 from pathlib import Path
 
-from .common import fmt, say, short
+from .common import CPU_NOTE, fmt, say, short
 from .references import FA3, LABELS
 
 Header = tuple[str, str]  # (group: a backend, or "" for the leading columns; metric)
@@ -215,3 +215,31 @@ def write_plot(path: str | Path, results: list[dict], backends: list[str], title
     fig.savefig(path, dpi=120)
     plt.close(fig)
     say(f"== wrote {path}")
+
+
+def report_mode(
+    args,
+    device,
+    title: str,
+    legend: str,
+    headers: list,
+    rows: list[list[str]],
+    notes: list[str],
+    results: list[dict],
+    interrupted: bool,
+) -> int:
+    """The end of the serving and layers modes: the markdown file if asked, the notes, the text table;
+    returns the exit status (130 interrupted, 1 when a row failed its check or errored, else 0)."""
+    if args.markdown:
+        write_markdown(args.markdown, title, headers, rows, [legend, *notes])
+        say(f"== wrote {args.markdown}")
+    for line in notes:
+        say(line)
+    say()
+    if device.type == "cpu":
+        say(f"== {CPU_NOTE}")
+    say(f"== {title}")
+    say(f"   {legend}")
+    say(format_text_table(headers, rows))
+    failed = [r for r in results if r.get("ok") is False or r.get("error")]
+    return 130 if interrupted else (1 if failed else 0)
