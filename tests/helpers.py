@@ -212,3 +212,64 @@ def random_params(seed: int, dtypes: tuple, long: bool = False, variants: bool =
 
 def make_random_case(seed: int, dtypes: tuple, **kw):
     return make_case(seed, **random_params(seed, dtypes, **kw))
+
+
+def plan_of(case, backend="torch", csr=False, **over):
+    """A plan made from an oracle case's batch (its lengths, table, offsets, heads, dims)."""
+    kw = case.kwargs
+    q, k, v = kw["q"], kw["k_cache"], kw["v_cache"]
+    paged = kw.get("block_tables") is not None
+    args = dict(
+        num_qo_heads=q.shape[1],
+        num_kv_heads=k.shape[1],
+        head_dim_qk=q.shape[2],
+        head_dim_vo=v.shape[-1],
+        page_size=k.shape[2] if paged else 0,
+        actual_seq_lens_q=kw["actual_seq_lens_q"],
+        max_token_per_sequence=kw["max_token_per_sequence"],
+        max_sequence_kv=kw["max_sequence_kv"],
+        causal=kw["causal"],
+        scale=kw["scale"],
+        return_lse=kw["return_lse"],
+        backend=backend,
+        window_left=kw.get("window_left", -1),
+        logits_soft_cap=kw.get("logits_soft_cap", 0.0),
+    )
+    for n in ("q", "o", "k", "v", "stats"):
+        if kw.get(f"batch_offsets_{n}") is not None:
+            args[f"batch_offsets_{n}"] = kw[f"batch_offsets_{n}"]
+    if "batch_offsets_units" in kw:
+        args["batch_offsets_units"] = kw["batch_offsets_units"]
+    if csr:
+        args.update(to_csr(case))
+    else:
+        args["actual_seq_lens_kv"] = kw["actual_seq_lens_kv"]
+        if paged:
+            args["block_tables"] = kw["block_tables"]
+    args.update(over)
+    return pagedprefill.plan(kw["workspace_buffer"], **args)
+
+
+def to_csr(case) -> dict:
+    """FlashInfer's CSR pages of a case's dense block table, as ``plan()`` arguments on the table's
+    device (three junk page ids past the last sequence's, never read)."""
+    indptr, indices, last = csr_pages(case)
+    i32 = dict(dtype=torch.int32, device=case.kwargs["block_tables"].device)
+    return dict(
+        kv_indptr=torch.tensor(indptr, **i32),
+        kv_indices=torch.tensor(indices + [9] * 3, **i32),
+        kv_last_page_len=torch.tensor(last, **i32),
+    )
+
+
+def csr_pages(case) -> tuple[list[int], list[int], list[int]]:
+    """``(kv_indptr, kv_indices, kv_last_page_len)`` of a paged case's dense block table."""
+    ps = case.kwargs["k_cache"].shape[2]
+    table = case.info["block_tables"]
+    indptr, indices, last = [0], [], []
+    for b, n in enumerate(case.lens_kv):
+        pages = -(-n // ps)
+        indices += table[b, :pages].tolist()
+        indptr.append(indptr[-1] + pages)
+        last.append(n - (pages - 1) * ps if pages else 0)
+    return indptr, indices, last

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import plan_of
 from oracle import check, make_case
 
 from pagedprefill import ops
@@ -97,26 +98,9 @@ def test_bad_arguments_are_named_before_allocating():
 
 def test_plan_run_compiled_fullgraph_matches_oracle():
     """The per-layer run of a plan traces as one custom op."""
-    import pagedprefill
-
     case = _case(61, page_size=4, lse_layout="padded")
     kw = case.kwargs
-    p = pagedprefill.plan(
-        kw["workspace_buffer"],
-        num_qo_heads=4,
-        num_kv_heads=2,
-        head_dim_qk=64,
-        page_size=4,
-        actual_seq_lens_q=kw["actual_seq_lens_q"],
-        actual_seq_lens_kv=kw["actual_seq_lens_kv"],
-        max_token_per_sequence=kw["max_token_per_sequence"],
-        max_sequence_kv=kw["max_sequence_kv"],
-        block_tables=kw["block_tables"],
-        causal=True,
-        scale=kw["scale"],
-        return_lse=True,
-        backend="torch" if DEVICE == "cpu" else "auto",
-    )
+    p = plan_of(case, "torch" if DEVICE == "cpu" else "auto")
 
     @torch.compile(fullgraph=True, backend="aot_eager")
     def layer(q, k, v, out, lse):

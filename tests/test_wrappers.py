@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import DEVICE, atol_for
+from helpers import DEVICE, atol_for, csr_pages
 from oracle import check, make_case, reference
 
 import pagedprefill
@@ -33,14 +33,8 @@ def _case(seed=1, page_size=4, dtype=F32, **kw):
 
 
 def _csr(case):
+    indptr, indices, last = csr_pages(case)
     ps = case.kwargs["k_cache"].shape[2]
-    table = case.info["block_tables"]
-    indptr, indices, last = [0], [], []
-    for b, n in enumerate(case.lens_kv):
-        pages = -(-n // ps)
-        indices += table[b, :pages].tolist()
-        indptr.append(indptr[-1] + pages)
-        last.append(n - (pages - 1) * ps if pages else 0)
     assert any(x not in (0, ps) for x in last), "the case should have partial last pages"
     i32 = dict(dtype=torch.int32)
     return torch.tensor(indptr, **i32), torch.tensor(indices, **i32).to(DEVICE), torch.tensor(last, **i32)
