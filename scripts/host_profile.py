@@ -1,0 +1,114 @@
+"""Where a per-layer call spends its host time: cProfile over plan.run and the one-shot call, with
+the GPU busy (calls queued behind a sleep kernel), plus the cost of the primitives they use.
+
+    python scripts/host_profile.py [--out DIR] [--cases b128_q128,ragged_b32_devoffsets]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+from pagedprefill.bench import cases, layers, timing
+
+
+def per_call_us(fn, n: int = 2000) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    timing.preload(50)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return dt
+
+
+def primitives() -> None:
+    dev = torch.device("cuda")
+    x = torch.empty(1 << 20, dtype=torch.uint8, device=dev)
+    q = torch.randn(4096, 32, 128, device=dev, dtype=torch.bfloat16)
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    lay = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+    items = {
+        "torch.empty(64 KiB)": lambda: torch.empty(65536, dtype=torch.uint8, device=dev),
+        "slice ws[:4].view(int32)": lambda: x[:4].view(torch.int32),
+        "slice.view.zero_()": lambda: x[:4].view(torch.int32).zero_(),
+        "t.data_ptr()": lambda: q.data_ptr(),
+        "t.shape, t.stride()": lambda: (q.shape, q.stride()),
+        "NVMMASharedLayout()": lambda: gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3),
+        "TensorDescriptor(q)": lambda: TensorDescriptor(q, list(q.shape), list(q.stride()), [16, 4, 64], lay),
+        "current_stream": lambda: torch.cuda.current_stream(),
+    }
+    for name, fn in items.items():
+        print(f"  {name:32s} {per_call_us(fn):7.2f} µs")
+
+
+def profile(name: str, fn, n_layers: int, reps: int, out: str | None) -> None:
+    fn()
+    torch.cuda.synchronize()
+    t_host = []
+    for _ in range(5):
+        timing.preload(40)
+        t0 = time.perf_counter()
+        fn()
+        t_host.append((time.perf_counter() - t0) / n_layers * 1e6)
+        torch.cuda.synchronize()
+    print(f"== {name}: host {min(t_host):.1f} µs/call (min of 5 bursts of {n_layers})")
+    pr = cProfile.Profile()
+    for _ in range(reps):
+        timing.preload(40)
+        pr.enable()
+        fn()
+        pr.disable()
+        torch.cuda.synchronize()
+    s = io.StringIO()
+    st = pstats.Stats(pr, stream=s).sort_stats("tottime")
+    st.print_stats(28)
+    txt = s.getvalue()
+    print("\n".join(line for line in txt.splitlines()[6:40] if line.strip()))
+    if out:
+        st.dump_stats(f"{out}/{name.replace(' ', '_').replace('/', '_')}.prof")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--cases", default="b128_q128,ragged_b32_devoffsets")
+    ap.add_argument("--backends", default="triton,cudnn")
+    ap.add_argument("--reps", type=int, default=20)
+    a = ap.parse_args()
+    print("== primitives (µs per call, queued while the GPU sleeps)")
+    primitives()
+    known = layers.known_cases()
+    n = 32
+    for cname in a.cases.split(","):
+        lb = layers.LayerBatch(known[cname], n, torch.device("cuda"), torch.bfloat16, 0)
+        for be in a.backends.split(","):
+            p = lb.plan(be)
+            k, v = lb.base["k_cache"], lb.base["v_cache"]
+
+            def plan_step(p=p, k=k, v=v):
+                for i in range(n):
+                    p.run(lb.q[i], k, v, out=lb.out[i])
+
+            kws = [lb.layer_kwargs(i) for i in range(n)]
+
+            def one_shot(kws=kws, be=be):
+                for kw in kws:
+                    cases.prefill(**kw, backend=be)
+
+            profile(f"{cname} {be} plan.run", plan_step, n, a.reps, a.out)
+            profile(f"{cname} {be} one-shot", one_shot, n, a.reps, a.out)
+
+
+if __name__ == "__main__":
+    main()
