@@ -69,7 +69,8 @@ def test_not_used_off_the_gpu():
         (dict(dqk=128), True),
         (dict(dqk=192, dvo=128), True),
         (dict(dqk=96), False),
-        (dict(dqk=256), False),
+        (dict(dqk=256), True),
+        (dict(dqk=256, dvo=128), False),
         (dict(window_left=8), True),
         (dict(sinks=True), True),
         (dict(logits_soft_cap=5.0), True),
@@ -77,7 +78,8 @@ def test_not_used_off_the_gpu():
     ],
 )
 def test_what_it_serves(kw, served):
-    """16-bit, Dqk = Dvo in {64, 128} or 192 / 128 (variants included): the rest takes the portable kernel."""
+    """16-bit, Dqk = Dvo in {64, 128, 256} or 192 / 128 (variants included): the rest takes the portable
+    kernel."""
     why = hp.unavailable_reason(batch_of(_case(**kw)))
     assert (why == "not a CUDA device") == served, why
 
@@ -102,15 +104,17 @@ def test_config_picks_wide_tiles_by_shape():
     assert cfg(lens_q=[1025], lens_kv=[2048], dqk=64) == hp.DEFAULT
     assert cfg(causal=False, dqk=64) == static and cfg(causal=False, page_size=8) == static
     assert cfg(causal=False, dqk=192, dvo=128) == static
+    d256 = dataclasses.replace(static, **hp.D256)
+    assert cfg(dqk=256) == d256 and cfg(causal=False, dqk=256) == d256 and cfg(page_size=64, dqk=256) == d256
     with tuning.override("hopper", wide=0, chunk=2):
         assert cfg(causal=False) == dataclasses.replace(static, chunk=2)
 
 
 def test_stages_fit_shared_memory():
-    """Q and the K/V ring fit sm_90's 227 KB: 5 stages at D 128, 3 at Dqk 192 / Dvo 128."""
-    cfg = hp.DEFAULT
-    for (dqk, dvo), want in (((128, 128), 5), ((64, 64), 5), ((192, 128), 3)):
+    """Q and the K/V ring fit sm_90's 227 KB: 5 stages at D 128, 3 at Dqk 192 / Dvo 128, 2 at D 256."""
+    for (dqk, dvo), want in (((128, 128), 5), ((64, 64), 5), ((192, 128), 3), ((256, 256), 2)):
         batch = batch_of(_case(dqk=dqk, dvo=dvo, dtype=BF16))
+        cfg = hp.config(batch)
         n = hp.stages(batch, cfg)
         assert n == want
         assert 2 * (cfg.BLOCK_M * dqk + n * cfg.BLOCK_N * (dqk + dvo)) <= hp.SMEM_BYTES
@@ -120,6 +124,7 @@ def test_o_stage_needs_out_in_qs_dtype_and_room():
     assert hp.o_stage_mode(batch_of(_case()), True) == 1
     assert hp.o_stage_mode(batch_of(_case(dqk=192, dvo=128)), True) == 1
     assert hp.o_stage_mode(batch_of(_case(dqk=192, dvo=128)), False) == 0
+    assert hp.o_stage_mode(batch_of(_case(dqk=256)), True) == 0  # (O's 256 columns: wider than a slot)
     case = _case()
     case.kwargs["out"] = torch.empty_like(case.kwargs["out"], dtype=torch.float32)
     assert hp.o_stage_mode(batch_of(case), True) == 0
@@ -273,6 +278,8 @@ SPECS = [
     (128, 0, False, "float16", 128, {}),  # (WIDE tiles)
     (64, 1, True, "bfloat16", 64, {}),  # (cp.async K/V)
     (192, 0, True, "bfloat16", 128, {}),  # Dqk 192 / Dvo 128: K in 128 + 64 columns
+    (256, 16, True, "bfloat16", 256, {}),  # D 256: K in 128 + 128 columns, V's boxes side by side
+    (256, 0, False, "float16", 256, {}),
     (128, 64, True, "bfloat16", 128, dict(dynamic=1)),
 ]
 
@@ -307,9 +314,9 @@ def test_compiles_for_sm90(tmp_path):
 def hopper_params(seed: int, long: bool | None = None) -> dict:
     r = random.Random(seed)
     params = random_params(seed, (BF16, F16), long=r.random() < 0.3 if long is None else long, variants=False)
-    params["dqk"] = r.choice([64, 128, 128, 192])
+    params["dqk"] = r.choice([64, 128, 128, 192, 256])
     params["dvo"] = 128 if params["dqk"] == 192 else params["dqk"]
-    if params["kv_layout"] == "interleaved" and params["dqk"] == 192:
+    if params["kv_layout"] == "interleaved" and params["dqk"] > 128:
         params["kv_layout"] = "hnd"
     params["page_size"] = r.choice([0, 1, 3, 8, 16, 16, 64])
     params["hq"], params["hkv"] = r.choice([(4, 4), (8, 2), (12, 4), (16, 2), (32, 8), (6, 1), (28, 4), (40, 8)])
@@ -348,12 +355,14 @@ def test_gpu_random_grid_forced(seed, monkeypatch):
         (4, 128, dict(BLOCK_N=128, stages=2)),
         (4, 192, {}),
         (7, 64, {}),
+        (5, 256, {}),
+        (4, 256, dict(BLOCK_N=32, stages=3)),
     ],
 )
 def test_gpu_tile_boundaries(group, dqk, knobs, monkeypatch):
     """Causal consumers' own key ranges ending one key either side of tile boundaries (an off-by-one in
     a consumer's tile count or unmasked range changes the output), 2 or 3 consumers, 2-stage rings,
-    32/64/128-key tiles, Dqk 192, GQA 3, 6, 7."""
+    32/64/128-key tiles, Dqk 192, D 256, GQA 3, 5, 6, 7."""
     monkeypatch.setattr(hp, "_num_sms", lambda device: 2)
     case = make_case(
         51,
@@ -440,7 +449,7 @@ def test_gpu_window_tile_boundaries(window, monkeypatch):
 @pytest.mark.gpu
 def test_gpu_default_routing():
     """The Hopper kernel serves what it can unless split-KV is chosen; backend="auto" sends its
-    calls to Triton and D 96 / 256 to cuDNN."""
+    calls to Triton and D 96 (the portable kernel) to cuDNN."""
 
     def case(dqk=128, page_size=16, lens_q=(30,), lens_kv=(90,), dvo=None):
         return make_case(
@@ -456,11 +465,12 @@ def test_gpu_default_routing():
             device="cuda",
         )
 
-    for c in (case(), case(page_size=1), case(page_size=8), case(page_size=0), case(dqk=64), case(dqk=192, dvo=128)):
+    served = (case(), case(page_size=1), case(page_size=8), case(page_size=0), case(dqk=64), case(dqk=192, dvo=128))
+    for c in (*served, case(dqk=256)):
         assert tb.uses_hopper_kernel(batch_of(c))
     assert not tb.uses_hopper_kernel(batch_of(case(dqk=96)))
     assert not tb.uses_hopper_kernel(batch_of(case(lens_q=(4,), lens_kv=(9000,))))  # split-KV
-    for c, expect in ((case(), "triton"), (case(dqk=64), "triton"), (case(dqk=96), "cudnn"), (case(dqk=256), "cudnn")):
+    for c, expect in ((case(), "triton"), (case(dqk=64), "triton"), (case(dqk=96), "cudnn"), (case(dqk=256), "triton")):
         out, _ = pagedprefill.cudnn_batch_prefill_with_kv_cache(**c.kwargs, backend="auto")
         assert pagedprefill.last_backend() == expect
         check_sampled(c, out, None, atol=atol_for(BF16))

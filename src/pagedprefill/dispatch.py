@@ -47,7 +47,7 @@ def auto_order(batch: PrefillBatch, workspace_bytes: int | None = None) -> list[
     """Backends in the order ``auto`` tries them (fastest first), from the H200 measurements in
     ``bench/results`` (each backend's device time, side by side in one run):
 
-    * wherever this project's Hopper kernel serves the call (16-bit, Dqk = Dvo in {64, 128} or
+    * wherever this project's Hopper kernel serves the call (16-bit, Dqk = Dvo in {64, 128, 256} or
       Dqk 192 / Dvo 128, sm_90): Triton, ahead of cuDNN on every such workload measured (page sizes
       16 and 64, ragged, 64 to 16k query tokens, GQA 4-8, MLA);
     * page sizes under 16 (per-key gathers, where cuDNN's paged kernel is slow), fp8 (cuDNN refuses

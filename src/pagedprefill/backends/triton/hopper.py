@@ -55,7 +55,12 @@ DEFAULT = Config()
 # 128 x 128 tiles on two consumers: 128 query rows per K/V tile instead of 192 (more L2 traffic per
 # FLOP), half as many tile steps per key; faster where `prefers_wide` says
 WIDE = {"consumers": 2, "BLOCK_N": 128, "consumer_regs": 224, "load_regs": 56}
+# Dvo 256: O's accumulator alone is 128 registers per thread: two consumers of 224 (ptxas: no spill in
+# the key loop; at 240 with two load warps the first consumer gets 200 and spills, load warps are
+# padded to a warpgroup); Q (64 KiB) and two 64-key stages fill shared memory
+D256 = {"consumers": 2, "BLOCK_N": 64, "consumer_regs": 224, "load_warps": 4, "load_regs": 56}
 KNOBS = tuple(f.name for f in fields(Config)) + ("wide",)
+HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))  # (Dqk, Dvo) the kernel is built for
 
 
 def unavailable_reason(batch: PrefillBatch) -> str | None:
@@ -65,8 +70,8 @@ def unavailable_reason(batch: PrefillBatch) -> str | None:
     dt = batch.q.dtype
     if dt not in (torch.float16, torch.bfloat16) or batch.k.dtype != dt:
         return "q, k and v must share one 16-bit dtype"
-    if (batch.head_dim_qk, batch.head_dim_vo) not in ((64, 64), (128, 128), (192, 128)):
-        return "head dims other than Dqk = Dvo in {64, 128} and Dqk 192 / Dvo 128"
+    if (batch.head_dim_qk, batch.head_dim_vo) not in HEAD_DIMS:
+        return "head dims other than Dqk = Dvo in {64, 128, 256} and Dqk 192 / Dvo 128"
     if not batch.scale > 0 or batch.q_scaled or batch.k_scaled or batch.v_scaled:
         return "scale tensors or a non-positive scale"
     # cp.async copies 16-byte chunks, and Triton proves an integer's alignment only as "divisible by
@@ -99,7 +104,10 @@ def config(batch: PrefillBatch) -> Config:
     if bad:
         raise ValueError(f"unknown Hopper knob {bad[0]!r}; expected one of {KNOBS}")
     wide = over.pop("wide", None)
-    base = replace(DEFAULT, **WIDE) if (prefers_wide(batch) if wide is None else wide) else DEFAULT
+    if batch.head_dim_vo > 128:
+        base = replace(DEFAULT, **D256)
+    else:
+        base = replace(DEFAULT, **WIDE) if (prefers_wide(batch) if wide is None else wide) else DEFAULT
     if batch.work_q <= 1024 or batch.work_kv >= 4 * batch.work_q:
         base = replace(base, dynamic=0)
     cfg = replace(base, **over)
@@ -173,7 +181,7 @@ def _page_box(batch: PrefillBatch, cfg: Config) -> int:
 
 def _tma_plan(t: CallTensors, batch: PrefillBatch, box: int):
     """``(k_view, v_view, k1_desc)`` for this call's tensors when whole tiles can arrive by TMA, else
-    None; ``k1_desc`` boxes K's columns past 128 (Dqk 192), else None."""
+    None; ``k1_desc`` boxes K's columns past 128 (Dqk > 128), else None."""
     if not box:
         return None
     kv = _tma_view(t.k, batch, box, batch.head_dim_qk), _tma_view(t.v, batch, box, batch.head_dim_vo)
@@ -193,15 +201,16 @@ def q_tma_applies(batch: PrefillBatch, q: torch.Tensor) -> bool:
 
 def o_stage_mode(batch: PrefillBatch, q_tma: bool) -> int:
     """How the epilogue stores O (the kernel's ``O_STAGE``): 1 staged through the consumer's Q slot
-    (out in q's dtype, and O fitting the slot: Dqk = Dvo, or Dqk 192 with Q by TMA), else 0 straight
-    from the wgmma accumulator layout. (Dqk 192 with the consumers' own Q copies: ptxas spilled 640
+    (out in q's dtype, and O fitting the slot's first 128 columns: Dqk = Dvo <= 128, or Dqk 192 with Q
+    by TMA), else 0 straight from the wgmma accumulator layout. (Dqk 192 with the consumers' own Q copies: ptxas spilled 640
     bytes around each item when staged, 204 unstaged.)"""
-    fits = batch.head_dim_qk == batch.head_dim_vo or (batch.head_dim_qk == 192 and q_tma)
+    slot = min(batch.head_dim_qk, 128)  # (a slot's first part: columns past 128 live apart)
+    fits = batch.head_dim_vo <= slot and (batch.head_dim_qk <= 128 or q_tma)
     return int(batch.out.dtype == batch.q.dtype and fits)
 
 
 def stages(batch: PrefillBatch, cfg: Config) -> int:
-    """``cfg.stages``, or fewer where Q and the K/V ring would not fit in shared memory (Dqk 192)."""
+    """``cfg.stages``, or fewer where Q and the K/V ring would not fit in shared memory (Dqk > 128)."""
     esz = batch.q.dtype.itemsize
     q_bytes = cfg.BLOCK_M * batch.head_dim_qk * esz
     stage_bytes = cfg.BLOCK_N * (batch.head_dim_qk + batch.head_dim_vo) * esz

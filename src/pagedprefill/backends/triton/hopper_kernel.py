@@ -47,7 +47,7 @@ class Geometry:
     GROUP: gl.constexpr  # query heads per KV head
     PAGE_SIZE: gl.constexpr  # 0: ragged K/V
     DQ0: gl.constexpr  # key columns of the first QK part (<= 128)
-    DQ1: gl.constexpr  # key columns past 128 (Dqk 192: 64), else 0
+    DQ1: gl.constexpr  # key columns past 128 (Dqk 192: 64, Dqk 256: 128), else 0
     DVO: gl.constexpr
     SUB_M: gl.constexpr  # rows per consumer warpgroup
     NC: gl.constexpr  # consumer warpgroups
@@ -329,7 +329,7 @@ class KVRing:
     """The K/V tiles in shared memory: ``STAGES`` slots with full / empty barriers."""
 
     k: gl.shared_memory_descriptor  # [STAGES, BLOCK_N, DQ0]
-    k1: gl.shared_memory_descriptor  # [STAGES, BLOCK_N, DQ1] (Dqk 192), else k
+    k1: gl.shared_memory_descriptor  # [STAGES, BLOCK_N, DQ1] (Dqk > 128), else k
     v: gl.shared_memory_descriptor  # [STAGES, BLOCK_N, DVO]
     full: gl.shared_memory_descriptor
     empty: gl.shared_memory_descriptor
@@ -349,7 +349,7 @@ class QSlots:
     barriers of their TMA copies (Q_TMA)."""
 
     q: gl.shared_memory_descriptor  # [NC, 64, DQ0]
-    q1: gl.shared_memory_descriptor  # [NC, 64, DQ1] (Dqk 192), else q
+    q1: gl.shared_memory_descriptor  # [NC, 64, DQ1] (Dqk > 128), else q
     full: gl.shared_memory_descriptor
     empty: gl.shared_memory_descriptor
 
@@ -485,7 +485,7 @@ def _issue_q(q_desc, slots: QSlots, w: WorkItem, r, geo: Geometry):
                 dst = slots.q.index(ci).slice(h * 64, 64, dim=1)
                 dst = dst._reinterpret(slots.q.dtype, [64 // GROUP, GROUP, 64], q_desc.layout)
                 tma.async_copy_global_to_shared(q_desc, [tok, w.kv_head * GROUP, h * 64], slots.full, dst)
-            for h in gl.static_range(DQ1 // 64):  # (Dqk 192: columns past 128 into q1)
+            for h in gl.static_range(DQ1 // 64):  # (Dqk > 128: columns past 128 into q1)
                 dst = slots.q1.index(ci).slice(h * 64, 64, dim=1)
                 dst = dst._reinterpret(slots.q.dtype, [64 // GROUP, GROUP, 64], q_desc.layout)
                 tma.async_copy_global_to_shared(q_desc, [tok, w.kv_head * GROUP, DQ0 + h * 64], slots.full, dst)
@@ -554,7 +554,12 @@ def _load_partition(
                         if DQ1 > 0:
                             k1_dst = ring.k1.index(s).slice(p * PAGE_BOX, PAGE_BOX)
                             tma.async_copy_global_to_shared(k1_desc, [kr, kc + DQ0], ring.full.index(s), k1_dst)
-                        tma.async_copy_global_to_shared(v_desc, [vr, vc], ring.full.index(s), v_dst)
+                        if geo.DVO > 128:  # (V's TMA boxes are 128 columns wide: side by side)
+                            for h in gl.static_range(geo.DVO // 128):
+                                v_half = v_dst.slice(h * 128, 128, dim=1)
+                                tma.async_copy_global_to_shared(v_desc, [vr, vc + h * 128], ring.full.index(s), v_half)
+                        else:
+                            tma.async_copy_global_to_shared(v_desc, [vr, vc], ring.full.index(s), v_dst)
                 else:
                     src.gather(ring.k.index(s), ring.k1.index(s), ring.v.index(s), w, t, geo)
                     async_copy.commit_group()
