@@ -11,6 +11,7 @@
 #   layers    a serving engine's eager step of 32 layers (plan once, run per layer)
 #   serving   a 10,000-call serving loop per backend: latency, builds, device memory growth
 #   variants  scripts/bench_variants.py: window, soft-cap, sinks, merge_state
+#   tune      scripts/tune_hopper.py \$TUNE_ARGS: the Hopper kernel under knob sets beside cuDNN
 #   profile   scripts/host_profile.py: cProfile of plan.run / one-shot per layer, and primitive costs
 # Knobs: TESTS (test paths/ids, default tests), PYTEST_ARGS, WORKERS, BENCH_ARGS, SERVING_N, TAG (file
 # prefix); time limits in seconds: TEST_S, MEMCHECK_S, BENCH_S, SERVING_S, VARIANTS_S.
@@ -79,6 +80,10 @@ for s in $steps; do
       timeout "${VARIANTS_S:-300}" python3 scripts/bench_variants.py --out "$OUT/$TAG-variants.md" >"$OUT/$TAG-variants.log" 2>&1
       echo "rc $?"
       cat "$OUT/$TAG-variants.md" 2>/dev/null || tail -20 "$OUT/$TAG-variants.log" ;;
+    tune)
+      timeout "${TUNE_S:-240}" python3 scripts/tune_hopper.py ${TUNE_ARGS:-d256_b8_q2k} >"$OUT/$TAG-tune.log" 2>&1
+      echo "rc $?"
+      cat "$OUT/$TAG-tune.log" ;;
     profile)
       timeout 240 python3 scripts/host_profile.py --out "$OUT" >"$OUT/$TAG-profile.log" 2>&1
       echo "rc $?"

@@ -96,9 +96,9 @@ def main() -> None:
             p = lb.plan(be)
             k, v = lb.base["k_cache"], lb.base["v_cache"]
 
-            def plan_step(p=p, k=k, v=v):
+            def plan_step(p=p, k=k, v=v, qs=lb.q, outs=lb.out):
                 for i in range(n):
-                    p.run(lb.q[i], k, v, out=lb.out[i])
+                    p.run(qs[i], k, v, out=outs[i])
 
             kws = [lb.layer_kwargs(i) for i in range(n)]
 

@@ -526,3 +526,11 @@ def test_gpu_misaligned_cache_falls_back():
 
 def test_interpreter_flag_is_shared():
     assert launch.INTERPRETED == (os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def test_desc_args_name_the_four_descriptors():
+    """The bound launch takes the descriptors at DESC_ARGS of the kernel's arguments."""
+    if hp.hk is None:
+        pytest.skip(hp.IMPORT_ERROR)
+    names = [p.name for p in hp.hk.attention_kernel.params]
+    assert names[hp.DESC_ARGS] == ["k_desc", "k1_desc", "v_desc", "q_desc"]

@@ -178,3 +178,44 @@ def test_gpu_plan_captured_in_a_cuda_graph_follows_device_lengths():
         graph.replay()
         torch.cuda.synchronize()
         check(new, kw["out"], kw["lse"], atol=atol_for(BF16), lse_atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 0])
+@pytest.mark.parametrize("dqk", [128, 256])
+def test_gpu_plan_run_layers_with_their_own_tensors(page_size, dqk):
+    """Each layer's q, K, V, out and lse at new addresses (the bound launch keeps descriptors per base
+    address), the first layer's tensors again, and a layer whose tensors reuse freed addresses with
+    new contents: each run against the oracle."""
+    case = make_case(
+        21,
+        lens_q=[70, 1, 200],
+        lens_kv=[300, 64, 200],
+        hq=8,
+        hkv=2,
+        dqk=dqk,
+        page_size=page_size,
+        dtype=BF16,
+        device="cuda",
+    )
+    p = plan_of(case, "triton")
+    kw = case.kwargs
+    names = ("q", "k_cache", "v_cache", "out", "lse")
+
+    def new_layer(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        return {n: torch.randn(kw[n].shape, generator=g, device="cuda").to(kw[n].dtype) for n in names}
+
+    first = {n: kw[n] for n in names}
+    layers = [first, new_layer(1), first, None]
+    for i in range(len(layers)):
+        tensors = layers[i]
+        if tensors is None:  # (layer 1's addresses, freed, come back with other contents)
+            layers[1] = None
+            torch.cuda.synchronize()
+            tensors = new_layer(7)
+        kw.update(tensors)
+        poison(kw["out"])
+        poison(kw["lse"])
+        out, lse = p.run(kw["q"], kw["k_cache"], kw["v_cache"], kw["out"], kw["lse"])
+        check(case, out, lse, atol=atol_for(BF16), lse_atol=2e-2)

@@ -24,12 +24,53 @@ from pagedprefill.batch import CallTensors, DeviceVectors, PrefillBatch, Sequenc
 class LayerPlan:
     """One layout of the layer tensors: its batch and its backend's plan."""
 
-    __slots__ = ("batch", "backend", "name", "meta_bytes", "out_shape", "lse_shape", "bounds", "return_lse")
+    __slots__ = (
+        "batch",
+        "backend",
+        "name",
+        "meta_bytes",
+        "out_shape",
+        "lse_shape",
+        "bounds",
+        "return_lse",
+        "extents",
+        "views",
+        "table_launch",
+    )
 
     def __init__(self, batch: PrefillBatch, backend, name: str, meta_bytes: int, out_shape, lse_shape, bounds, ret):
         self.batch, self.backend, self.name = batch, backend, name
         self.meta_bytes, self.out_shape, self.lse_shape, self.bounds = meta_bytes, out_shape, lse_shape, bounds
         self.return_lse = ret
+        self.extents: dict[str, int] = {}  # argument name -> bytes its elements span (the layout fixes it)
+        self.views = None  # (workspace, meta, scratch) of the plan's own workspace, once carved
+        self.table_launch: list = [None]  # the device table's launch, bound after its first one
+
+    def check_overlaps(self, named) -> None:
+        """:func:`normalise.check_overlaps` for this layout's ``(name, tensor)`` pairs, from their
+        addresses and the byte extents their layouts fix (the written ones are out, lse and the
+        workspace)."""
+        ext = self.extents
+        spans = []
+        for name, t in named:
+            if t is None:
+                continue
+            e = ext.get(name)
+            if e is None:
+                lo, hi = normalise.byte_span(t)
+                e = ext[name] = hi - lo
+            if e:
+                lo = t.data_ptr()
+                spans.append((name, lo, lo + e))
+        for w, wlo, whi in spans:
+            if w not in _WRITTEN:
+                continue
+            for o, olo, ohi in spans:
+                if o != w and wlo < ohi and olo < whi:
+                    normalise.check_overlaps(named, _WRITTEN)  # (raises, naming the pair)
+
+
+_WRITTEN = ("out", "lse", "workspace_buffer")
 
 
 def _layout_key(t: object) -> tuple | None:
@@ -37,7 +78,7 @@ def _layout_key(t: object) -> tuple | None:
         return None
     if not isinstance(t, Tensor):
         return (type(t),)
-    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+    return (t.shape, t.stride(), t.dtype, t.get_device() if t.is_cuda else t.device, t.data_ptr() % 16 == 0)
 
 
 def _scale_key(s: object) -> object:
@@ -102,6 +143,7 @@ class PrefillPlan:
             _layout_key(sinks),
             return_lse,
             ws.numel(),
+            ws.data_ptr() % 16 == 0,  # (the device table is carved from its first bytes)
         )
         lp = self.layers.get(key)
         if lp is None:
@@ -204,20 +246,31 @@ class PrefillPlan:
             named += [("actual_seq_lens_q", vectors.lens_q), ("actual_seq_lens_kv", vectors.lens_kv)]
             named += [("kv_indptr", vectors.kv_indptr), ("kv_last_page_len", vectors.kv_last_page_len)]
             named += [(f"batch_offsets_{n}", t) for n, t in vectors.offsets.items()]
-        named += [(n, s) for n, s in zip(("q_scale", "k_scale", "v_scale"), scales) if isinstance(s, Tensor)]
-        normalise.check_overlaps(named, ("out", "lse", "workspace_buffer"))
+        if scales[0] is not None or scales[1] is not None or scales[2] is not None:
+            named += [(n, s) for n, s in zip(("q_scale", "k_scale", "v_scale"), scales) if isinstance(s, Tensor)]
+        lp.check_overlaps(named)
         if batch.empty:
             dispatch.set_last(lp.name)
             return out, lse_user
-        with workspace.WorkspaceGuard(ws):
-            meta, scratch = workspace.carve(ws, batch.batch_size, batch.device_metadata)
+        nested = workspace.acquire(ws)
+        try:
+            views = lp.views
+            if views is not None and views[0] is ws:  # (the plan's own workspace: carved once)
+                meta, scratch = views[1], views[2]
+            else:
+                meta, scratch = workspace.carve(ws, batch.batch_size, batch.device_metadata)
+                if ws is self.workspace:
+                    lp.views = (ws, meta, scratch)
             if meta is None:
                 meta = self.meta
                 if self._copy_event is not None:
                     self._wait_copy()
             else:
-                workspace.write_device_table(lp.bounds, vectors, meta)
-            q_s, k_s, v_s = (_device_scale(s, dev) for s in scales)
+                workspace.write_device_table(lp.bounds, vectors, meta, lp.table_launch)
+            if scales[0] is None and scales[1] is None and scales[2] is None:
+                q_s = k_s = v_s = None
+            else:
+                q_s, k_s, v_s = (_device_scale(s, dev) for s in scales)
             t = CallTensors(
                 q,
                 k,
@@ -233,6 +286,9 @@ class PrefillPlan:
                 scratch,
             )
             lp.backend.run(t)
+        finally:
+            if not nested:
+                workspace.release(ws)
         dispatch.set_last(lp.name)
         return out, lse_user
 

@@ -69,11 +69,12 @@ def bounds(batch: PrefillBatch, vecs: DeviceVectors, num_indices: int) -> Bounds
     )
 
 
-def write_device_table(bd: Bounds, vecs: DeviceVectors, meta: Tensor) -> None:
-    """Fill ``meta`` from device vectors without a host sync (one Triton launch where Triton runs)."""
+def write_device_table(bd: Bounds, vecs: DeviceVectors, meta: Tensor, bound: list | None = None) -> None:
+    """Fill ``meta`` from device vectors without a host sync (one Triton launch where Triton runs;
+    ``bound``: see :func:`~pagedprefill.kernels.metadata.device_table_triton`)."""
     args = (bd, vecs.lens_q, vecs.lens_kv, vecs.offsets, vecs.kv_indptr, vecs.kv_last_page_len, meta)
     if meta.is_cuda and launch.unavailable_reason(meta.device) is None:
-        device_table_triton(*args)
+        device_table_triton(*args, bound=bound)
     else:
         device_table_torch(*args)
 
@@ -111,30 +112,43 @@ def device_pages(seq: Sequences, pages: Tensor | None, device: torch.device) -> 
     return pages.to(device=device, dtype=torch.int32).contiguous()
 
 
-class WorkspaceGuard:
-    """Refuses a call while another thread's call holds the same workspace (they would overwrite each
-    other's metadata and scratch). Calls on one thread are ordered by their stream."""
+_HELD: dict[int, int] = {}  # workspace address -> id of the thread whose call holds it
 
-    _lock = threading.Lock()
-    _held: dict[int, int] = {}  # workspace address -> thread id
+
+def acquire(ws: Tensor) -> bool:
+    """Hold ``ws`` for this thread's call; raises while another thread's call holds it (the two would
+    overwrite each other's metadata and scratch). Calls on one thread are ordered by their stream.
+    Returns whether this thread already held it (a nested call: :func:`release` only the outer).
+    (dict.setdefault is atomic under the GIL: of two threads racing for one address, one wins.)"""
+    ptr = ws.data_ptr()
+    me = threading.get_ident()
+    owner = _HELD.get(ptr)
+    if owner == me:
+        return True
+    if owner is None:
+        owner = _HELD.setdefault(ptr, me)
+    if owner != me:
+        raise fail(
+            "workspace_buffer",
+            "a workspace no other thread is using (give each thread, or each CUDA stream, its own)",
+            "one that another thread's call is using right now",
+        )
+    return False
+
+
+def release(ws: Tensor) -> None:
+    _HELD.pop(ws.data_ptr(), None)
+
+
+class WorkspaceGuard:
+    """``with WorkspaceGuard(ws):`` :func:`acquire` / :func:`release` around a call."""
 
     def __init__(self, ws: Tensor):
-        self.ptr = ws.data_ptr()
+        self.ws = ws
 
     def __enter__(self) -> None:
-        me = threading.get_ident()
-        with self._lock:
-            owner = self._held.get(self.ptr)
-            if owner is not None and owner != me:
-                raise fail(
-                    "workspace_buffer",
-                    "a workspace no other thread is using (give each thread, or each CUDA stream, its own)",
-                    "one that another thread's call is using right now",
-                )
-            self.nested = owner == me
-            self._held[self.ptr] = me
+        self.nested = acquire(self.ws)
 
     def __exit__(self, *exc) -> None:
         if not self.nested:
-            with self._lock:
-                self._held.pop(self.ptr, None)
+            release(self.ws)

@@ -142,6 +142,142 @@ def fast_launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
     _LAUNCHES[key] = (compiled, tuple(kwargs[p.name] if p.name in kwargs else p.default for p in rest))
 
 
+class BoundLaunch:
+    """One compiled kernel whose non-tensor arguments are fixed (a plan's layout): a call passes only
+    its tensors' addresses straight to Triton's C launcher, skipping the argument binding, the
+    specialisation key, the per-pointer driver queries and the per-call encoding of TMA descriptors
+    (each is encoded once per base address and kept, at most ``DESC_CACHE``; no tensor is held).
+
+    Built by :func:`bind` from a first launch through Triton. A call returns False (nothing launched)
+    where this path does not apply at the time (launch hooks set, another current device, descriptor
+    base addresses not seen yet); the caller then launches through Triton's path and calls
+    :meth:`remember` with the descriptors."""
+
+    DESC_CACHE = 256
+
+    __slots__ = (
+        "raw",
+        "template",
+        "tensor_at",
+        "aligned",
+        "desc_at",
+        "desc_meta",
+        "device",
+        "function",
+        "descs",
+        "grid",
+    )
+
+    def __init__(self, raw, template, tensor_at, aligned, desc_at, desc_meta, device, function, grid):
+        self.raw, self.template, self.tensor_at, self.aligned = raw, template, tensor_at, aligned
+        self.desc_at = desc_at
+        self.desc_meta, self.device, self.function, self.grid = desc_meta, device, function, grid
+        self.descs: dict = {}
+
+    def remember(self, bases: tuple, descs: tuple) -> None:
+        """Keep the encoding of ``descs`` (the kernel's TMA descriptors, in order) for calls whose
+        descriptor base tensors have the addresses of ``bases``."""
+        if len(self.descs) + len(descs) > self.DESC_CACHE:
+            self.descs.clear()
+        for j, (b, d) in enumerate(zip(bases, descs)):
+            self.descs[(j, b.data_ptr())] = _make_tensordesc_arg(d, self.desc_meta[j])
+
+    def __call__(self, tensors: tuple, bases: tuple) -> bool:
+        """Launch with ``tensors`` (the kernel's tensor arguments, in order, each in the layout of the
+        first launch's) and the descriptors remembered for ``bases`` (their base tensors, in order);
+        False, launching nothing, where one was not remembered."""
+        rt = triton.knobs.runtime
+        if rt.launch_enter_hook is not None or rt.launch_exit_hook is not None:
+            return False
+        if torch.cuda.current_device() != self.device:
+            return False
+        args = self.template.copy()
+        for i, t, aligned in zip(self.tensor_at, tensors, self.aligned):
+            p = t.data_ptr()
+            if (p & 15 == 0) != aligned:  # (Triton specialises pointers on 16-byte alignment)
+                return False
+            args[i] = p
+        for j in range(len(self.desc_at) - 1, -1, -1):  # (last first: each expands in place)
+            enc = self.descs.get((j, bases[j].data_ptr()))
+            if enc is None:
+                return False
+            i = self.desc_at[j]
+            args[i : i + 1] = enc
+        g = self.grid
+        stream = torch._C._cuda_getCurrentRawStream(self.device)
+        self.raw(g[0], g[1], g[2], stream, self.function, *args)
+        return True
+
+
+def _raw_launcher(compiled):
+    """Triton 3.6's C launch function under the compiled kernel's launcher, or None."""
+    runner = compiled.run
+    if getattr(runner, "global_scratch_size", 1) or getattr(runner, "profile_scratch_size", 1):
+        return None, None  # (scratch is allocated per call by Triton's own path)
+    fn = runner.launch
+    if getattr(fn, "__closure__", None):  # wrap_handle_tensordesc's inner(): the C function is a cell
+        cells = [c.cell_contents for c in fn.__closure__]
+        fn = next((c for c in cells if type(c).__name__ == "builtin_function_or_method"), None)
+    elif type(fn).__name__ != "builtin_function_or_method":
+        fn = None
+    return fn, runner
+
+
+def bind(kernel, grid: tuple, args: tuple, kwargs: dict) -> BoundLaunch | None:
+    """Launch ``kernel[grid](*args, **kwargs)`` through Triton and return a :class:`BoundLaunch` for
+    later calls with the same non-tensor arguments (None where that cannot apply: the interpreter,
+    another Triton, hooks, a callable grid, arguments other than tensors, numbers, None and
+    descriptors)."""
+    if INTERPRETED or kernel.pre_run_hooks or callable(grid) or _TRITON_MINOR != _FAST_LAUNCH_TRITON:
+        kernel[grid](*args, **kwargs)
+        return None
+    compiled = kernel[grid](*args, **kwargs)
+    rest = kernel.params[len(args) :]
+    if compiled is None or not hasattr(compiled, "function") or not all(p.is_constexpr for p in rest):
+        return None
+    try:
+        raw, runner = _raw_launcher(compiled)
+        if raw is None:
+            return None
+        from triton.backends.nvidia import driver as nv
+
+        if nv._BASE_ARGS_FORMAT != "iiiKKppOOOOOO":
+            return None
+        full = list(args) + [kwargs[p.name] if p.name in kwargs else p.default for p in rest]
+        metas = list(getattr(compiled.metadata, "tensordesc_meta", None) or [])
+        template = [runner.launch_cooperative_grid, runner.launch_pdl, None, None, compiled.packed_metadata]
+        template += [None, None, None]  # launch metadata and the enter / exit hooks (none: checked per call)
+        tensor_at, aligned, desc_at, desc_meta = [], [], [], []
+        n_desc = sum(1 for a in full if TensorDescriptor is not None and type(a) is TensorDescriptor)
+        # (descriptors the frontend decomposed into pointer + sizes would pin their base tensors here)
+        if n_desc and (len(metas) != n_desc or any(m is None for m in metas)):
+            return None
+        for a in full:
+            if isinstance(a, torch.Tensor):
+                tensor_at.append(len(template))
+                aligned.append(a.data_ptr() % 16 == 0)
+                template.append(None)
+            elif TensorDescriptor is not None and type(a) is TensorDescriptor:
+                desc_meta.append(metas[len(desc_at)])
+                desc_at.append(len(template))
+                template.append(None)
+            elif a is None or type(a) in (int, float, bool):
+                template.append(a)
+            else:
+                return None
+        device = triton.runtime.driver.active.get_current_device()
+        grid3 = (*grid, 1, 1)[:3]
+        return BoundLaunch(raw, template, tensor_at, aligned, desc_at, desc_meta, device, compiled.function, grid3)
+    except Exception:  # pragma: no cover - Triton internals other than those checked
+        return None
+
+
+def _make_tensordesc_arg(d, meta) -> list:
+    from triton.backends.nvidia.driver import make_tensordesc_arg
+
+    return list(make_tensordesc_arg(d, meta))
+
+
 def compiled_variants(*kernels) -> int:
     """Kernel variants compiled so far in this process (all devices) for ``kernels``; 0 under the
     interpreter."""

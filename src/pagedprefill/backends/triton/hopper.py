@@ -9,7 +9,7 @@ import torch
 
 from pagedprefill import tuning
 from pagedprefill.batch import CallTensors, PrefillBatch
-from pagedprefill.kernels.launch import INTERPRETED, fast_launch
+from pagedprefill.kernels.launch import INTERPRETED, bind, fast_launch
 
 try:
     from triton.experimental.gluon import language as gl
@@ -202,8 +202,8 @@ def q_tma_applies(batch: PrefillBatch, q: torch.Tensor) -> bool:
 def o_stage_mode(batch: PrefillBatch, q_tma: bool) -> int:
     """How the epilogue stores O (the kernel's ``O_STAGE``): 1 staged through the consumer's Q slot
     (out in q's dtype, and O fitting the slot's first 128 columns: Dqk = Dvo <= 128, or Dqk 192 with Q
-    by TMA), else 0 straight from the wgmma accumulator layout. (Dqk 192 with the consumers' own Q copies: ptxas spilled 640
-    bytes around each item when staged, 204 unstaged.)"""
+    by TMA), else 0 straight from the wgmma accumulator layout. (Dqk 192 with the consumers' own Q
+    copies: ptxas spilled 640 bytes around each item when staged, 204 unstaged.)"""
     slot = min(batch.head_dim_qk, 128)  # (a slot's first part: columns past 128 live apart)
     fits = batch.head_dim_vo <= slot and (batch.head_dim_qk <= 128 or q_tma)
     return int(batch.out.dtype == batch.q.dtype and fits)
@@ -219,6 +219,9 @@ def stages(batch: PrefillBatch, cfg: Config) -> int:
 
 def num_m_blocks(batch: PrefillBatch, cfg: Config) -> int:
     return -(-batch.work_q * batch.group_size // cfg.BLOCK_M)
+
+
+DESC_ARGS = slice(27, 31)  # k_desc, k1_desc, v_desc, q_desc in the kernel's arguments
 
 
 @functools.cache
@@ -246,6 +249,11 @@ class HopperPlan:
         self.chunk = min(cfg.chunk, total) if cfg.chunk > 0 else total
         self.dynamic = int(bool(cfg.dynamic))
         self._kwargs: dict = {}
+        # after the first launch: the compiled kernel bound to this layout's fixed arguments, and which
+        # of (k_desc, k1_desc, v_desc, q_desc) it takes (the layout decides)
+        self._bound = None
+        self._bind_tried = False
+        self._descs_present: tuple = ()
 
     def _constexprs(self, tma, q_tma: bool) -> dict:
         key = (tma is not None and tma[0][3], tma is not None and tma[1][3], tma is not None, q_tma)
@@ -320,7 +328,7 @@ class HopperPlan:
             batch.num_qo_heads,
             batch.num_kv_heads,
             self.chunk,
-            tma[0][0] if tma else None,
+            tma[0][0] if tma else None,  # (DESC_ARGS: these four)
             tma[2] if tma else None,
             tma[1][0] if tma else None,
             q_desc,
@@ -331,8 +339,38 @@ class HopperPlan:
         )
         return [(hk.attention_kernel, self.grid, args, self._constexprs(tma, q_tma))]
 
+    def _tensors(self, t: CallTensors) -> tuple:
+        """The kernel's tensor arguments in order (as :meth:`launches` passes them)."""
+        meta = t.meta
+        return (
+            t.q,
+            t.k,
+            t.v,
+            t.out,
+            t.lse if t.lse is not None else meta,
+            meta,
+            t.pages if self.batch.paged else meta,
+            t.scratch if self.dynamic else meta,  # (the counter's first bytes)
+            t.sinks if t.sinks is not None else meta,
+        )
+
+    def _bases(self, t: CallTensors) -> tuple:
+        """The base tensors of the descriptors the bound kernel takes, in order."""
+        return tuple(b for b, present in zip((t.k, t.k, t.v, t.q), self._descs_present) if present)
+
     def run(self, t: CallTensors) -> None:
         if self.dynamic:
-            t.scratch[:4].view(torch.int32).zero_()
-        for kernel, grid, args, kwargs in self.launches(t):
+            t.scratch[:4].zero_()
+        bound = self._bound
+        if bound is not None and bound(self._tensors(t), self._bases(t)):
+            return
+        ((kernel, grid, args, kwargs),) = self.launches(t)
+        descs = args[DESC_ARGS]
+        if not self._bind_tried:
+            self._bind_tried = True
+            self._descs_present = tuple(d is not None for d in descs)
+            bound = self._bound = bind(kernel, grid, args, kwargs)
+        else:
             fast_launch(kernel, grid, args, kwargs)
+        if bound is not None:
+            bound.remember(self._bases(t), tuple(d for d in descs if d is not None))
