@@ -194,7 +194,7 @@ class BoundLaunch:
         args = self.template.copy()
         for i, t, aligned in zip(self.tensor_at, tensors, self.aligned):
             p = t.data_ptr()
-            if (p & 15 == 0) != aligned:  # (Triton specialises pointers on 16-byte alignment)
+            if ((p & 15) == 0) != aligned:  # (Triton specialises pointers on 16-byte alignment)
                 return False
             args[i] = p
         for j in range(len(self.desc_at) - 1, -1, -1):  # (last first: each expands in place)
