@@ -34,6 +34,7 @@ class LayerPlan:
         "bounds",
         "return_lse",
         "extents",
+        "disjoint",
         "views",
         "table_launch",
     )
@@ -43,13 +44,17 @@ class LayerPlan:
         self.meta_bytes, self.out_shape, self.lse_shape, self.bounds = meta_bytes, out_shape, lse_shape, bounds
         self.return_lse = ret
         self.extents: dict[str, int] = {}  # argument name -> bytes its elements span (the layout fixes it)
+        self.disjoint: set[tuple] = set()  # address combinations checked (the names come in one order)
         self.views = None  # (workspace, meta, scratch) of the plan's own workspace, once carved
         self.table_launch: list = [None]  # the device table's launch, bound after its first one
 
     def check_overlaps(self, named) -> None:
         """:func:`normalise.check_overlaps` for this layout's ``(name, tensor)`` pairs, from their
         addresses and the byte extents their layouts fix (the written ones are out, lse and the
-        workspace)."""
+        workspace); a combination of addresses found disjoint before is not examined again."""
+        ptrs = tuple(t.data_ptr() if t is not None else None for _, t in named)
+        if ptrs in self.disjoint:
+            return
         ext = self.extents
         spans = []
         for name, t in named:
@@ -62,6 +67,13 @@ class LayerPlan:
             if e:
                 lo = t.data_ptr()
                 spans.append((name, lo, lo + e))
+        self._check_spans(named, spans)
+        if len(self.disjoint) >= 1024:
+            self.disjoint.clear()
+        self.disjoint.add(ptrs)
+
+    @staticmethod
+    def _check_spans(named, spans) -> None:
         for w, wlo, whi in spans:
             if w not in _WRITTEN:
                 continue

@@ -187,7 +187,7 @@ class BoundLaunch:
         first launch's) and the descriptors remembered for ``bases`` (their base tensors, in order);
         False, launching nothing, where one was not remembered."""
         rt = triton.knobs.runtime
-        if rt.launch_enter_hook is not None or rt.launch_exit_hook is not None:
+        if _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook):
             return False
         if torch.cuda.current_device() != self.device:
             return False
@@ -207,6 +207,11 @@ class BoundLaunch:
         stream = torch._C._cuda_getCurrentRawStream(self.device)
         self.raw(g[0], g[1], g[2], stream, self.function, *args)
         return True
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook is set (Triton 3.6 keeps a chain of hooks, empty by default)."""
+    return hook is not None and (type(hook).__name__ != "HookChain" or bool(hook.calls))
 
 
 def _raw_launcher(compiled):
