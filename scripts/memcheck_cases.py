@@ -41,6 +41,10 @@ def main() -> int:
         ("hopper paged16 tma", dict(dqk=128, page_size=16, dtype=BF16), "triton", None),
         ("hopper ragged dqk192", dict(dqk=192, dvo=128, page_size=0, dtype=BF16), "triton", None),
         ("hopper page1 cp.async gqa3", dict(dqk=64, page_size=1, dtype=F16, hq=6, hkv=2), "triton", None),
+        ("hopper d96 paged16 tma 64+32", dict(dqk=96, page_size=16, dtype=BF16), "triton", None),
+        ("hopper d96 page1 cp.async gqa3", dict(dqk=96, page_size=1, dtype=F16, hq=6, hkv=2), "triton", None),
+        ("hopper d256 paged16 tma", dict(dqk=256, page_size=16, dtype=BF16), "triton", None),
+        ("hopper d256 ragged", dict(dqk=256, page_size=0, dtype=F16), "triton", None),
         (
             "hopper window softcap sinks",
             dict(dqk=128, page_size=16, dtype=BF16, window_left=40, logits_soft_cap=30.0, sinks=True),

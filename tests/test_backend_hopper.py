@@ -68,7 +68,8 @@ def test_not_used_off_the_gpu():
         (dict(dqk=64), True),
         (dict(dqk=128), True),
         (dict(dqk=192, dvo=128), True),
-        (dict(dqk=96), False),
+        (dict(dqk=96), True),
+        (dict(dqk=80), False),
         (dict(dqk=256), True),
         (dict(dqk=256, dvo=128), False),
         (dict(window_left=8), True),
@@ -78,8 +79,8 @@ def test_not_used_off_the_gpu():
     ],
 )
 def test_what_it_serves(kw, served):
-    """16-bit, Dqk = Dvo in {64, 128, 256} or 192 / 128 (variants included): the rest takes the portable
-    kernel."""
+    """16-bit, Dqk = Dvo in {64, 96, 128, 256} or 192 / 128 (variants included): the rest takes the
+    portable kernel."""
     why = hp.unavailable_reason(batch_of(_case(**kw)))
     assert (why == "not a CUDA device") == served, why
 
@@ -200,9 +201,9 @@ def test_tma_plan_for_mla_boxes_key_columns_in_two_parts():
         )
         p, lp, ws = planned(case, "torch")
         box = hp._page_box(lp.batch, hp.DEFAULT)
-        (k0, _, k_head_off, k_rows), (v0, *_), k1 = hp._tma_plan(call_tensors(case, p, lp, ws), lp.batch, box)
+        (k0, _, k_head_off, k_rows), (v0, *_), k1, v1 = hp._tma_plan(call_tensors(case, p, lp, ws), lp.batch, box)
         assert list(k0.block_shape) == [box, 128] and list(k1.block_shape) == [box, 64]
-        assert list(v0.block_shape) == [box, 128]
+        assert list(v0.block_shape) == [box, 128] and v1 is None
         assert (k1.shape, k1.strides) == (k0.shape, k0.strides)
         last_col = (0 if k_rows else (case.kwargs["k_cache"].shape[1] - 1) * k_head_off) + 192
         assert last_col <= k0.shape[1]
@@ -262,7 +263,7 @@ _AOT = textwrap.dedent(
             cmd = [ptxas, "-v", "--gpu-name", "sm_90a", "/tmp/_pp_gluon.ptx", "-o", "/dev/null"]
             log = subprocess.run(cmd, capture_output=True, text=True).stderr
             spill = max([int(x) for x in re.findall(r"(\\d+) bytes spill stores", log)] or [0])
-            overlap = "wgmma.wait_group.sync.aligned 1" in ptx
+            overlap = f"wgmma.wait_group.sync.aligned {{2 if d == 96 else 1}}" in ptx
             regs = sorted(set(re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)))
             bulk = ptx.count("cp.async.bulk.tensor")
             stsm = ptx.count("stmatrix")
@@ -281,6 +282,8 @@ SPECS = [
     (192, 0, True, "bfloat16", 128, {}),  # Dqk 192 / Dvo 128: K in 128 + 64 columns
     (256, 16, True, "bfloat16", 256, {}),  # D 256: K in 128 + 128 columns, V's boxes side by side
     (256, 0, False, "float16", 256, {}),
+    (96, 16, True, "bfloat16", 96, {}),  # D 96: 64 + 32 columns, two PV GEMMs
+    (96, 1, False, "float16", 96, dict(window_left=40)),
     (128, 64, True, "bfloat16", 128, dict(dynamic=1)),
 ]
 
@@ -301,7 +304,7 @@ def test_compiles_for_sm90(tmp_path):
         # the load warps (56 registers) spill hoisted gather addresses on their cp.async path and,
         # with the work counter, the item ring's state; the consumers do not spill in the key loop
         assert int(spill) <= 416, (d, page, spill)
-        assert overlap == "True", "no wgmma group left in flight across the softmax"
+        assert overlap == "True", "no PV GEMM left in flight across the softmax"
         assert cregs in regs.split(",") and lregs in regs.split(","), regs
         assert (int(bulk) > 0) == (use_tma == "True" or q_tma == "True"), (d, page, bulk)
         assert (int(stsm) > 0) == (o_stage == "1"), (d, page, stsm)
@@ -315,7 +318,7 @@ def test_compiles_for_sm90(tmp_path):
 def hopper_params(seed: int, long: bool | None = None) -> dict:
     r = random.Random(seed)
     params = random_params(seed, (BF16, F16), long=r.random() < 0.3 if long is None else long, variants=False)
-    params["dqk"] = r.choice([64, 128, 128, 192, 256])
+    params["dqk"] = r.choice([64, 96, 128, 128, 192, 256])
     params["dvo"] = 128 if params["dqk"] == 192 else params["dqk"]
     if params["kv_layout"] == "interleaved" and params["dqk"] > 128:
         params["kv_layout"] = "hnd"
@@ -357,13 +360,15 @@ def test_gpu_random_grid_forced(seed, monkeypatch):
         (4, 192, {}),
         (7, 64, {}),
         (5, 256, {}),
+        (3, 96, {}),
+        (4, 96, dict(BLOCK_N=32)),
         (4, 256, dict(BLOCK_N=64, stages=2)),
     ],
 )
 def test_gpu_tile_boundaries(group, dqk, knobs, monkeypatch):
     """Causal consumers' own key ranges ending one key either side of tile boundaries (an off-by-one in
     a consumer's tile count or unmasked range changes the output), 2 or 3 consumers, 2-stage rings,
-    32/64/128-key tiles, Dqk 192, D 256, GQA 3, 5, 6, 7."""
+    32/64/128-key tiles, D 96, Dqk 192, D 256, GQA 3, 5, 6, 7."""
     monkeypatch.setattr(hp, "_num_sms", lambda device: 2)
     case = make_case(
         51,
@@ -450,7 +455,7 @@ def test_gpu_window_tile_boundaries(window, monkeypatch):
 @pytest.mark.gpu
 def test_gpu_default_routing():
     """The Hopper kernel serves what it can unless split-KV is chosen; backend="auto" sends its
-    calls to Triton and D 96 (the portable kernel) to cuDNN."""
+    calls to Triton, and calls on the portable kernel (D 80) to cuDNN."""
 
     def case(dqk=128, page_size=16, lens_q=(30,), lens_kv=(90,), dvo=None):
         return make_case(
@@ -467,11 +472,17 @@ def test_gpu_default_routing():
         )
 
     served = (case(), case(page_size=1), case(page_size=8), case(page_size=0), case(dqk=64), case(dqk=192, dvo=128))
-    for c in (*served, case(dqk=256)):
+    for c in (*served, case(dqk=256), case(dqk=96)):
         assert tb.uses_hopper_kernel(batch_of(c))
-    assert not tb.uses_hopper_kernel(batch_of(case(dqk=96)))
+    assert not tb.uses_hopper_kernel(batch_of(case(dqk=80)))
     assert not tb.uses_hopper_kernel(batch_of(case(lens_q=(4,), lens_kv=(9000,))))  # split-KV
-    for c, expect in ((case(), "triton"), (case(dqk=64), "triton"), (case(dqk=96), "cudnn"), (case(dqk=256), "triton")):
+    for c, expect in (
+        (case(), "triton"),
+        (case(dqk=64), "triton"),
+        (case(dqk=80), "cudnn"),
+        (case(dqk=96), "triton"),
+        (case(dqk=256), "triton"),
+    ):
         out, _ = pagedprefill.cudnn_batch_prefill_with_kv_cache(**c.kwargs, backend="auto")
         assert pagedprefill.last_backend() == expect
         check_sampled(c, out, None, atol=atol_for(BF16))
@@ -534,4 +545,16 @@ def test_desc_args_name_the_four_descriptors():
     if hp.hk is None:
         pytest.skip(hp.IMPORT_ERROR)
     names = [p.name for p in hp.hk.attention_kernel.params]
-    assert names[hp.DESC_ARGS] == ["k_desc", "k1_desc", "v_desc", "q_desc"]
+    assert names[hp.DESC_ARGS] == ["k_desc", "k1_desc", "v_desc", "v1_desc", "q_desc"]
+
+
+def test_tma_plan_for_d96_boxes_64_plus_32_columns():
+    """D 96: K and V boxed as 64 + 32 columns, the 32-column boxes in 64-byte swizzled rows (the
+    kernel's layout for those tiles); Q by the consumers' cp.async, O unstaged."""
+    case = make_case(2, lens_q=[3], lens_kv=[70], hq=4, hkv=2, dqk=96, page_size=16, dtype=BF16)
+    p, lp, ws = planned(case, "torch")
+    box = hp._page_box(lp.batch, hp.DEFAULT)
+    (k0, *_), (v0, *_), k1, v1 = hp._tma_plan(call_tensors(case, p, lp, ws), lp.batch, box)
+    assert [list(d.block_shape) for d in (k0, k1, v0, v1)] == [[box, 64], [box, 32], [box, 64], [box, 32]]
+    assert k1.layout.swizzle_byte_width == v1.layout.swizzle_byte_width == 64 and k0.layout.swizzle_byte_width == 128
+    assert not hp.q_tma_applies(lp.batch, case.kwargs["q"]) and hp.o_stage_mode(lp.batch, False) == 0

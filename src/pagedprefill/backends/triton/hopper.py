@@ -60,7 +60,13 @@ WIDE = {"consumers": 2, "BLOCK_N": 128, "consumer_regs": 224, "load_regs": 56}
 # padded to a warpgroup); beside Q (64 KiB), five 32-key stages (1.8x the speed of two 64-key ones)
 D256 = {"consumers": 2, "BLOCK_N": 32, "stages": 5, "consumer_regs": 224, "load_warps": 4, "load_regs": 56}
 KNOBS = tuple(f.name for f in fields(Config)) + ("wide",)
-HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))  # (Dqk, Dvo) the kernel is built for
+HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))  # (Dqk, Dvo) the kernel is built for
+
+
+def first_part(d: int) -> int:
+    """Columns of a head dim's first GEMM part (the kernel's DQ0 / DV0): tensors are powers of two, so
+    96 runs as 64 + 32, and K past 128 columns as a second part (192: 128 + 64, 256: 128 + 128)."""
+    return 64 if d == 96 else min(d, 128)
 
 
 def unavailable_reason(batch: PrefillBatch) -> str | None:
@@ -71,7 +77,7 @@ def unavailable_reason(batch: PrefillBatch) -> str | None:
     if dt not in (torch.float16, torch.bfloat16) or batch.k.dtype != dt:
         return "q, k and v must share one 16-bit dtype"
     if (batch.head_dim_qk, batch.head_dim_vo) not in HEAD_DIMS:
-        return "head dims other than Dqk = Dvo in {64, 128, 256} and Dqk 192 / Dvo 128"
+        return "head dims other than Dqk = Dvo in {64, 96, 128, 256} and Dqk 192 / Dvo 128"
     if not batch.scale > 0 or batch.q_scaled or batch.k_scaled or batch.v_scaled:
         return "scale tensors or a non-positive scale"
     # cp.async copies 16-byte chunks, and Triton proves an integer's alignment only as "divisible by
@@ -134,7 +140,7 @@ def config(batch: PrefillBatch) -> Config:
 
 
 def _tma_view(t: torch.Tensor, batch: PrefillBatch, box_rows: int, d: int):
-    """A 2-D view of a K or V cache (head dim ``d``) for TMA boxes of ``[box_rows, min(d, 128)]``:
+    """A 2-D view of a K or V cache (head dim ``d``) for TMA boxes of ``[box_rows, first_part(d)]``:
     ``(descriptor, page_rows, head_off, head_in_rows)``, or None when the strides do not allow one.
 
     Row ``page * page_rows + slot`` (paged) or ``start + key`` (ragged) holds the head-0 key row; a
@@ -164,9 +170,13 @@ def _tma_view(t: torch.Tensor, batch: PrefillBatch, box_rows: int, d: int):
     rows += (h - 1) * head_off if head_rows else 0
     if rows <= 0 or rows >= 2**31:  # an empty cache (no TMA needed), or past int32 coordinates
         return None
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    desc = TensorDescriptor(t, [rows, cols], [st, 1], [box_rows, min(d, 128)], layout)
+    desc = TensorDescriptor(t, [rows, cols], [st, 1], [box_rows, first_part(d)], _smem_layout(first_part(d)))
     return desc, page_rows, head_off, head_rows
+
+
+def _smem_layout(cols: int):
+    """The kernel's shared layout for tiles of ``cols`` 16-bit columns (32: 64-byte rows, swizzled so)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=64 if cols == 32 else 128, element_bitwidth=16, rank=2)
 
 
 def _page_box(batch: PrefillBatch, cfg: Config) -> int:
@@ -180,23 +190,29 @@ def _page_box(batch: PrefillBatch, cfg: Config) -> int:
 
 
 def _tma_plan(t: CallTensors, batch: PrefillBatch, box: int):
-    """``(k_view, v_view, k1_desc)`` for this call's tensors when whole tiles can arrive by TMA, else
-    None; ``k1_desc`` boxes K's columns past 128 (Dqk > 128), else None."""
+    """``(k_view, v_view, k1_desc, v1_desc)`` for this call's tensors when whole tiles can arrive by
+    TMA, else None; ``k1_desc`` / ``v1_desc`` box the columns past :func:`first_part` (Dqk 96 / > 128,
+    Dvo 96), else None (Dvo 256: V's second 128 columns come through ``v_view`` too)."""
     if not box:
         return None
     kv = _tma_view(t.k, batch, box, batch.head_dim_qk), _tma_view(t.v, batch, box, batch.head_dim_vo)
     if None in kv:
         return None
-    k1 = None
-    if batch.head_dim_qk > 128:
-        k0 = kv[0][0]
-        k1 = TensorDescriptor(t.k, k0.shape, k0.strides, [box, batch.head_dim_qk - 128], k0.layout)
-    return (*kv, k1)
+    parts = []
+    for (desc, *_), d, split in ((kv[0], batch.head_dim_qk, True), (kv[1], batch.head_dim_vo, batch.head_dim_vo == 96)):
+        rest = d - first_part(d)
+        parts.append(
+            TensorDescriptor(desc.base, desc.shape, desc.strides, [box, rest], _smem_layout(rest))
+            if rest and split
+            else None
+        )
+    return (*kv, *parts)
 
 
 def q_tma_applies(batch: PrefillBatch, q: torch.Tensor) -> bool:
-    """Whether the load warps copy Q by TMA: GQA group dividing 64, q 16-byte aligned, some rows."""
-    return 64 % batch.group_size == 0 and q.data_ptr() % 16 == 0 and q.shape[0] > 0
+    """Whether the load warps copy Q by TMA: GQA group dividing 64, q 16-byte aligned, some rows, and
+    64-column boxes (not Dqk 96: its consumers copy their Q by cp.async)."""
+    return 64 % batch.group_size == 0 and q.data_ptr() % 16 == 0 and q.shape[0] > 0 and batch.head_dim_qk != 96
 
 
 def o_stage_mode(batch: PrefillBatch, q_tma: bool) -> int:
@@ -204,7 +220,7 @@ def o_stage_mode(batch: PrefillBatch, q_tma: bool) -> int:
     (out in q's dtype, and O fitting the slot's first 128 columns: Dqk = Dvo <= 128, or Dqk 192 with Q
     by TMA), else 0 straight from the wgmma accumulator layout. (Dqk 192 with the consumers' own Q
     copies: ptxas spilled 640 bytes around each item when staged, 204 unstaged.)"""
-    slot = min(batch.head_dim_qk, 128)  # (a slot's first part: columns past 128 live apart)
+    slot = first_part(batch.head_dim_qk)  # (a slot's first part: the rest of Q lives apart)
     fits = batch.head_dim_vo <= slot and (batch.head_dim_qk <= 128 or q_tma)
     return int(batch.out.dtype == batch.q.dtype and fits)
 
@@ -221,7 +237,7 @@ def num_m_blocks(batch: PrefillBatch, cfg: Config) -> int:
     return -(-batch.work_q * batch.group_size // cfg.BLOCK_M)
 
 
-DESC_ARGS = slice(27, 31)  # k_desc, k1_desc, v_desc, q_desc in the kernel's arguments
+DESC_ARGS = slice(27, 32)  # k_desc, k1_desc, v_desc, v1_desc, q_desc in the kernel's arguments
 
 
 @functools.cache
@@ -250,7 +266,7 @@ class HopperPlan:
         self.dynamic = int(bool(cfg.dynamic))
         self._kwargs: dict = {}
         # after the first launch: the compiled kernel bound to this layout's fixed arguments, and which
-        # of (k_desc, k1_desc, v_desc, q_desc) it takes (the layout decides)
+        # of (k_desc, k1_desc, v_desc, v1_desc, q_desc) it takes (the layout decides)
         self._bound = None
         self._bind_tried = False
         self._descs_present: tuple = ()
@@ -331,6 +347,7 @@ class HopperPlan:
             tma[0][0] if tma else None,  # (DESC_ARGS: these four)
             tma[2] if tma else None,
             tma[1][0] if tma else None,
+            tma[3] if tma else None,
             q_desc,
             *tma_ints,
             batch.window_left,
@@ -356,7 +373,7 @@ class HopperPlan:
 
     def _bases(self, t: CallTensors) -> tuple:
         """The base tensors of the descriptors the bound kernel takes, in order."""
-        return tuple(b for b, present in zip((t.k, t.k, t.v, t.q), self._descs_present) if present)
+        return tuple(b for b, present in zip((t.k, t.k, t.v, t.v, t.q), self._descs_present) if present)
 
     def run(self, t: CallTensors) -> None:
         if self.dynamic:

@@ -46,9 +46,11 @@ class Geometry:
 
     GROUP: gl.constexpr  # query heads per KV head
     PAGE_SIZE: gl.constexpr  # 0: ragged K/V
-    DQ0: gl.constexpr  # key columns of the first QK part (<= 128)
-    DQ1: gl.constexpr  # key columns past 128 (Dqk 192: 64, Dqk 256: 128), else 0
+    DQ0: gl.constexpr  # key columns of the first QK part (<= 128; Dqk 96: 64)
+    DQ1: gl.constexpr  # key columns after them (Dqk 96: 32, 192: 64, 256: 128), else 0
     DVO: gl.constexpr
+    DV0: gl.constexpr  # V / O columns of the first PV part (Dvo 96: 64), else DVO
+    DV1: gl.constexpr  # V / O columns after them (Dvo 96: 32), else 0
     SUB_M: gl.constexpr  # rows per consumer warpgroup
     NC: gl.constexpr  # consumer warpgroups
     BLOCK_M: gl.constexpr
@@ -92,9 +94,12 @@ class Geometry:
     ):
         self.GROUP = gl.constexpr(GROUP)
         self.PAGE_SIZE = gl.constexpr(PAGE_SIZE)
-        self.DQ0 = gl.constexpr(DQK if DQK <= 128 else 128)
-        self.DQ1 = gl.constexpr(DQK - (DQK if DQK <= 128 else 128))
+        dq0 = 64 if DQK == 96 else min(DQK, 128)  # (a tensor's dims are powers of two)
+        self.DQ0 = gl.constexpr(dq0)
+        self.DQ1 = gl.constexpr(DQK - dq0)
         self.DVO = gl.constexpr(DVO)
+        self.DV0 = gl.constexpr(64 if DVO == 96 else DVO)
+        self.DV1 = gl.constexpr(DVO - (64 if DVO == 96 else DVO))
         self.SUB_M = gl.constexpr(64)
         self.NC = gl.constexpr(NC)
         self.BLOCK_M = gl.constexpr(64 * NC)
@@ -329,16 +334,18 @@ class KVRing:
     """The K/V tiles in shared memory: ``STAGES`` slots with full / empty barriers."""
 
     k: gl.shared_memory_descriptor  # [STAGES, BLOCK_N, DQ0]
-    k1: gl.shared_memory_descriptor  # [STAGES, BLOCK_N, DQ1] (Dqk > 128), else k
-    v: gl.shared_memory_descriptor  # [STAGES, BLOCK_N, DVO]
+    k1: gl.shared_memory_descriptor  # [STAGES, BLOCK_N, DQ1] (DQ1 > 0), else k
+    v: gl.shared_memory_descriptor  # [STAGES, BLOCK_N, DV0]
+    v1: gl.shared_memory_descriptor  # [STAGES, BLOCK_N, DV1] (DV1 > 0), else v
     full: gl.shared_memory_descriptor
     empty: gl.shared_memory_descriptor
 
     @gluon.constexpr_function
-    def __init__(self, k, k1, v, full, empty):
+    def __init__(self, k, k1, v, v1, full, empty):
         self.k = k
         self.k1 = k1
         self.v = v
+        self.v1 = v1
         self.full = full
         self.empty = empty
 
@@ -349,7 +356,7 @@ class QSlots:
     barriers of their TMA copies (Q_TMA)."""
 
     q: gl.shared_memory_descriptor  # [NC, 64, DQ0]
-    q1: gl.shared_memory_descriptor  # [NC, 64, DQ1] (Dqk > 128), else q
+    q1: gl.shared_memory_descriptor  # [NC, 64, DQ1] (DQ1 > 0), else q
     full: gl.shared_memory_descriptor
     empty: gl.shared_memory_descriptor
 
@@ -430,13 +437,14 @@ class KVSource:
         return k_off, v_off, ok
 
     @gluon.jit
-    def gather(self, k_buf, k1_buf, v_buf, w: WorkItem, t, geo: Geometry):
+    def gather(self, k_buf, k1_buf, v_buf, v1_buf, w: WorkItem, t, geo: Geometry):
         """cp.async copies of key tile t's K rows (columns [0, DQ0) into k_buf, [DQ0, DQ0 + DQ1) into
-        k1_buf) and V rows; rows at or past ``hi`` zero-filled."""
+        k1_buf) and V rows (likewise into v_buf and v1_buf); rows at or past ``hi`` zero-filled."""
         NW: gl.constexpr = geo.LOAD_WARPS
         DQ0: gl.constexpr = geo.DQ0
         DQ1: gl.constexpr = geo.DQ1
-        DVO: gl.constexpr = geo.DVO
+        DVO: gl.constexpr = geo.DV0
+        DV1: gl.constexpr = geo.DV1
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DQ0 // 8), DQ0 // 8], [NW, 1], [1, 0])
         k_off, v_off, ok = self.rows(w, t, geo, LD)
         d = gl.arange(0, DQ0, gl.SliceLayout(0, LD))
@@ -453,6 +461,11 @@ class KVSource:
             _, vv_off, okv = self.rows(w, t, geo, LDV)
             dv = gl.arange(0, DVO, gl.SliceLayout(0, LDV))
             async_copy.async_copy_global_to_shared(v_buf, self.V + vv_off[:, None] + dv[None, :], mask=okv[:, None])
+        if DV1 > 0:
+            LDV1: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DV1 // 8), DV1 // 8], [NW, 1], [1, 0])
+            _, v1_off, okv1 = self.rows(w, t, geo, LDV1)
+            dv1 = DVO + gl.arange(0, DV1, gl.SliceLayout(0, LDV1))
+            async_copy.async_copy_global_to_shared(v1_buf, self.V + v1_off[:, None] + dv1[None, :], mask=okv1[:, None])
 
 
 @gluon.jit
@@ -493,7 +506,7 @@ def _issue_q(q_desc, slots: QSlots, w: WorkItem, r, geo: Geometry):
 
 @gluon.jit
 def _load_partition(
-    sched: Schedule, ring: KVRing, slots: QSlots, src: KVSource, k_desc, k1_desc, v_desc, q_desc, geo: Geometry
+    sched: Schedule, ring: KVRing, slots: QSlots, src: KVSource, k_desc, k1_desc, v_desc, v1_desc, q_desc, geo: Geometry
 ):
     """Load warps: fill stage c % STAGES with the program's c-th key tile (counted across its work
     items) once every consumer released it.
@@ -560,14 +573,17 @@ def _load_partition(
                                 tma.async_copy_global_to_shared(v_desc, [vr, vc + h * 128], ring.full.index(s), v_half)
                         else:
                             tma.async_copy_global_to_shared(v_desc, [vr, vc], ring.full.index(s), v_dst)
+                        if geo.DV1 > 0:
+                            v1_dst = ring.v1.index(s).slice(p * PAGE_BOX, PAGE_BOX)
+                            tma.async_copy_global_to_shared(v1_desc, [vr, vc + geo.DV0], ring.full.index(s), v1_dst)
                 else:
-                    src.gather(ring.k.index(s), ring.k1.index(s), ring.v.index(s), w, t, geo)
+                    src.gather(ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo)
                     async_copy.commit_group()
                     async_copy.wait_group(0)
                     # (arrive follows a barrier of the load warps: all their copies have landed)
                     mbarrier.arrive(ring.full.index(s))
             else:
-                src.gather(ring.k.index(s), ring.k1.index(s), ring.v.index(s), w, t, geo)
+                src.gather(ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo)
                 async_copy.mbarrier_arrive(ring.full.index(s), increment_count=False)
         if geo.Q_TMA:
             if q_at == n_load:
@@ -688,6 +704,8 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
     GROUP: gl.constexpr = geo.GROUP
     DQ1: gl.constexpr = geo.DQ1
     DVO: gl.constexpr = geo.DVO
+    DV0: gl.constexpr = geo.DV0
+    DV1: gl.constexpr = geo.DV1
     SUB_M: gl.constexpr = geo.SUB_M
     BLOCK_N: gl.constexpr = geo.BLOCK_N
     STAGES: gl.constexpr = geo.STAGES
@@ -704,8 +722,11 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
     # when O is staged through it, after O is read back from it
     Q_EARLY: gl.constexpr = geo.Q_TMA and geo.O_STAGE != 1
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DVO, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV0, 16])
     P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    if DV1 > 0:  # (O in two accumulators, DV0 + DV1 columns, one PV GEMM each)
+        O1_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV1, 16])
+        P1_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O1_L, k_width=2)
     q_sub = slots.q.index(R0 // SUB_M)
     if DQ1 > 0:
         q1_sub = slots.q1.index(R0 // SUB_M)
@@ -735,9 +756,12 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
         diag = tok_s + (w.kv_len - w.q_len)
         m_i = gl.full([SUB_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
         l_i = gl.zeros([SUB_M], gl.float32, gl.SliceLayout(1, S_L))
-        acc = gl.zeros([SUB_M, DVO], gl.float32, O_L)
+        acc = gl.zeros([SUB_M, DV0], gl.float32, O_L)
         s_zero = gl.zeros([SUB_M, BLOCK_N], gl.float32, S_L)
         p_op = gl.zeros([SUB_M, BLOCK_N], dtype, P_L)
+        if DV1 > 0:
+            acc1 = gl.zeros([SUB_M, DV1], gl.float32, O1_L)
+            p_op1 = gl.zeros([SUB_M, BLOCK_N], dtype, P1_L)
         n_walk = w.n_tiles  # key tiles this warpgroup computes up to; below full_own none is masked
         full_own = w.full
         if CAUSAL:
@@ -758,6 +782,8 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
             t_own = 0
             head_own = 0
         alpha = gl.full([SUB_M], 1.0, gl.float32, gl.SliceLayout(1, O_L))
+        if DV1 > 0:
+            alpha1 = gl.full([SUB_M], 1.0, gl.float32, gl.SliceLayout(1, O1_L))
         if Q_EARLY:
             if n_walk == t_own:  # (the slot is free once this warpgroup's last QK GEMM is done)
                 mbarrier.arrive(slots.empty)
@@ -781,7 +807,10 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
                 p, m_i, l_i, alpha0 = _softmax(
                     sc, m_i, l_i, qk_scale, t_own * BLOCK_N, diag, w.kv_len, sched.window, cap_out, True, geo
                 )
-            p_op = gl.convert_layout(p.to(dtype), P_L)
+            p16 = p.to(dtype)
+            p_op = gl.convert_layout(p16, P_L)
+            if DV1 > 0:
+                p_op1 = gl.convert_layout(p16, P1_L)
         for t in range(t_own + 1, n_walk):
             s = (c + t - t_lo) % STAGES
             prev = (c + t - t_lo - 1) % STAGES
@@ -793,8 +822,14 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
             s_tok = _qk_async(q_sub, q1_sub, ring.k.index(s), ring.k1.index(s), s_zero, DQ1)
             if t > t_own + 1:  # (the first tile left O zero)
                 acc = acc * alpha[:, None]
+                if DV1 > 0:
+                    acc1 = acc1 * alpha1[:, None]
             o_tok = warpgroup_mma(p_op, ring.v.index(prev), acc, is_async=True)
-            sc = warpgroup_mma_wait(1, deps=[s_tok])
+            if DV1 > 0:
+                o1_tok = warpgroup_mma(p_op1, ring.v1.index(prev), acc1, is_async=True)
+                sc = warpgroup_mma_wait(2, deps=[s_tok])  # (the QK GEMMs: issued before both PV GEMMs)
+            else:
+                sc = warpgroup_mma_wait(1, deps=[s_tok])
             if Q_EARLY:
                 if t == n_walk - 1:
                     mbarrier.arrive(slots.empty)
@@ -811,15 +846,28 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
                     sc, m_i, l_i, qk_scale, t * BLOCK_N, diag, w.kv_len, sched.window, cap_out, True, geo
                 )
                 alpha = gl.convert_layout(alpha_s, gl.SliceLayout(1, O_L))
-            acc = warpgroup_mma_wait(0, deps=[o_tok])
+            if DV1 > 0:
+                alpha1 = gl.convert_layout(alpha_s, gl.SliceLayout(1, O1_L))
+                acc, acc1 = warpgroup_mma_wait(0, deps=[o_tok, o1_tok])
+            else:
+                acc = warpgroup_mma_wait(0, deps=[o_tok])
             mbarrier.arrive(ring.empty.index(prev))
-            p_op = gl.convert_layout(p.to(dtype), P_L)
+            p16 = p.to(dtype)
+            p_op = gl.convert_layout(p16, P_L)
+            if DV1 > 0:
+                p_op1 = gl.convert_layout(p16, P1_L)
         if n_walk > t_own:
             last = (c + n_walk - 1 - t_lo) % STAGES
             if n_walk > t_own + 1:
                 acc = acc * alpha[:, None]
+                if DV1 > 0:
+                    acc1 = acc1 * alpha1[:, None]
             o_tok = warpgroup_mma(p_op, ring.v.index(last), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[o_tok])
+            if DV1 > 0:
+                o1_tok = warpgroup_mma(p_op1, ring.v1.index(last), acc1, is_async=True)
+                acc, acc1 = warpgroup_mma_wait(0, deps=[o_tok, o1_tok])
+            else:
+                acc = warpgroup_mma_wait(0, deps=[o_tok])
             mbarrier.arrive(ring.empty.index(last))
         if CAUSAL:  # tiles past this warpgroup's last key: released unread, in ring order
             for t in range(n_walk, w.n_tiles):
@@ -857,11 +905,19 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
         else:
             o_st = o
             rows_o = w.row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, O_L))
-            d_o = gl.arange(0, DVO, gl.SliceLayout(0, O_L))
+            d_o = gl.arange(0, DV0, gl.SliceLayout(0, O_L))
         tok_o = rows_o // GROUP
         head_o = w.kv_head * GROUP + rows_o % GROUP
         o_off = (w.o_start + tok_o).to(gl.int64) * out.stride_ot + head_o.to(gl.int64) * out.stride_oh
         gl.store(Out + o_off[:, None] + d_o[None, :], o_st, mask=(tok_o < w.q_len)[:, None])
+        if DV1 > 0:  # (O_STAGE 0: the second accumulator's columns, straight from its layout)
+            o1 = (acc1 * gl.convert_layout(inv_l, gl.SliceLayout(1, O1_L))[:, None]).to(Out.dtype.element_ty)
+            rows_o1 = w.row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, O1_L))
+            d_o1 = DV0 + gl.arange(0, DV1, gl.SliceLayout(0, O1_L))
+            tok_o1 = rows_o1 // GROUP
+            head_o1 = w.kv_head * GROUP + rows_o1 % GROUP
+            o1_off = (w.o_start + tok_o1).to(gl.int64) * out.stride_ot + head_o1.to(gl.int64) * out.stride_oh
+            gl.store(Out + o1_off[:, None] + d_o1[None, :], o1, mask=(tok_o1 < w.q_len)[:, None])
         if geo.HAS_LSE:
             head_s = w.kv_head * GROUP + rows_s % GROUP
             lse_off = w.lse_start.to(gl.int64) + tok_s.to(gl.int64) * out.num_heads_q + head_s
@@ -905,6 +961,7 @@ def attention_kernel(
     k_desc,
     k1_desc,
     v_desc,
+    v1_desc,
     q_desc,
     k_page_rows,
     k_head_off,
@@ -962,16 +1019,27 @@ def attention_kernel(
     )
     dtype: gl.constexpr = Q.dtype.element_ty
     SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    # (32-column parts: 64-byte rows, 64-byte swizzle; the host's TMA descriptors use the same)
+    SMEM1: gl.constexpr = gl.NVMMASharedLayout(
+        swizzle_byte_width=64 if geo.DQ1 == 32 else 128, element_bitwidth=16, rank=2
+    )
+    SMEMV1: gl.constexpr = gl.NVMMASharedLayout(
+        swizzle_byte_width=64 if geo.DV1 == 32 else 128, element_bitwidth=16, rank=2
+    )
 
     q_smem = gl.allocate_shared_memory(dtype, [NC, geo.SUB_M, geo.DQ0], SMEM)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, geo.DQ0], SMEM)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DVO], SMEM)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, geo.DV0], SMEM)
     if geo.DQ1 > 0:
-        q1_smem = gl.allocate_shared_memory(dtype, [NC, geo.SUB_M, geo.DQ1], SMEM)
-        k1_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, geo.DQ1], SMEM)
+        q1_smem = gl.allocate_shared_memory(dtype, [NC, geo.SUB_M, geo.DQ1], SMEM1)
+        k1_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, geo.DQ1], SMEM1)
     else:  # (unused)
         q1_smem = q_smem
         k1_smem = k_smem
+    if geo.DV1 > 0:
+        v1_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, geo.DV1], SMEMV1)
+    else:  # (unused)
+        v1_smem = v_smem
     kv_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -1016,7 +1084,7 @@ def attention_kernel(
         item_empty,
         gl.to_tensor(window),
     )
-    ring = KVRing(k_smem, k1_smem, v_smem, kv_full, kv_empty)
+    ring = KVRing(k_smem, k1_smem, v_smem, v1_smem, kv_full, kv_empty)
     slots = QSlots(q_smem, q1_smem, q_full, q_empty)
     src = KVSource(
         K,
@@ -1054,7 +1122,7 @@ def attention_kernel(
             [
                 (_consumer_partition, (sched, ring, slots, out, R0, geo)),
                 (_consumer_partition, (sched, ring, slots, out, R1, geo)),
-                (_load_partition, (sched, ring, slots, src, k_desc, k1_desc, v_desc, q_desc, geo)),
+                (_load_partition, (sched, ring, slots, src, k_desc, k1_desc, v_desc, v1_desc, q_desc, geo)),
             ],
             [4, LOAD_WARPS],
             [CONS_REGS, LOAD_REGS],
@@ -1065,7 +1133,7 @@ def attention_kernel(
                 (_consumer_partition, (sched, ring, slots, out, R0, geo)),
                 (_consumer_partition, (sched, ring, slots, out, R1, geo)),
                 (_consumer_partition, (sched, ring, slots, out, R2, geo)),
-                (_load_partition, (sched, ring, slots, src, k_desc, k1_desc, v_desc, q_desc, geo)),
+                (_load_partition, (sched, ring, slots, src, k_desc, k1_desc, v_desc, v1_desc, q_desc, geo)),
             ],
             [4, 4, LOAD_WARPS],
             [CONS_REGS, CONS_REGS, LOAD_REGS],
