@@ -47,9 +47,10 @@ def auto_order(batch: PrefillBatch, workspace_bytes: int | None = None) -> list[
     """Backends in the order ``auto`` tries them (fastest first), from the H200 measurements in
     ``bench/results`` (each backend's device time, side by side in one run):
 
-    * wherever this project's Hopper kernel serves the call (16-bit, Dqk = Dvo in {64, 128, 256} or
+    * wherever this project's Hopper kernel serves the call (16-bit, Dqk = Dvo in {64, 96, 128} or
       Dqk 192 / Dvo 128, sm_90): Triton, ahead of cuDNN on every such workload measured (page sizes
-      16 and 64, ragged, 64 to 16k query tokens, GQA 4-8, MLA);
+      16 and 64, ragged, 64 to 16k query tokens, GQA 4-8, MLA, D 96); at D 256 it reads 0.91x cuDNN,
+      so cuDNN goes first there;
     * page sizes under 16 (per-key gathers, where cuDNN's paged kernel is slow), fp8 (cuDNN refuses
       fp8 attention before Blackwell) and logit soft-capping or CSR pages (cuDNN has neither): Triton;
     * everything else (other head dims on the portable kernel): cuDNN first.
@@ -64,7 +65,7 @@ def auto_order(batch: PrefillBatch, workspace_bytes: int | None = None) -> list[
         hopper = tb.uses_hopper_kernel(batch, workspace_bytes)
     except ImportError:
         hopper = False
-    triton_first = hopper or (
+    triton_first = (hopper and batch.head_dim_vo <= 128) or (
         (batch.paged and batch.page_size < 16)
         or batch.fp8_q
         or batch.fp8_kv

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pagedprefill.kernels.launch import fast_launch, triton
+from pagedprefill.kernels.launch import bind, fast_launch, triton
 
 from .graph import GraphSpec, ScratchLayout
 
@@ -193,8 +193,24 @@ else:
     _prepare_kernel = None
 
 
-def prepare_triton(spec, layout, ints, table, meta, pages, out, lse, sinks, batch_size, num_indices, fix, max_q):
-    """Metadata rows 0..6, the page table and (``fix``) the rows without keys, in one launch."""
+def prepare_triton(
+    spec, layout, ints, table, meta, pages, out, lse, sinks, batch_size, num_indices, fix, max_q, bound=None
+):
+    """Metadata rows 0..6, the page table and (``fix``) the rows without keys, in one launch.
+
+    ``bound``: a two-slot list the caller keeps for calls of one layout: the launch bound to its fixed
+    arguments (:func:`launch.bind`) after the first call, and the ``num_indices`` it was bound with."""
+    tensors = (
+        meta,
+        ints,
+        pages if pages is not None else meta,
+        table if table is not None else ints,
+        out,
+        lse if lse is not None else meta,
+        sinks if sinks is not None else meta,
+    )
+    if bound is not None and bound[0] and bound[1] == num_indices and bound[0](tensors, ()):
+        return
     block_d = triton.next_power_of_2(spec.head_dim_vo)
     block_h = max(1, min(triton.next_power_of_2(spec.num_qo_heads), 4096 // block_d))
     grid = (layout.row, min(FIX_PROGRAMS, max(max_q, 1)) if fix else 1)
@@ -234,7 +250,10 @@ def prepare_triton(spec, layout, ints, table, meta, pages, out, lse, sinks, batc
         BLOCK_H=block_h,
         num_warps=4,
     )
-    fast_launch(_prepare_kernel, grid, args, kwargs)
+    if bound is not None and bound[0] is None:
+        bound[0], bound[1] = bind(_prepare_kernel, grid, args, kwargs) or False, num_indices
+    else:
+        fast_launch(_prepare_kernel, grid, args, kwargs)
 
 
 def table_span(pages: Tensor | None) -> int:
