@@ -328,7 +328,22 @@ def test_block_table_entry_out_of_range(bad):
     kw = paged()
     table = kw["block_tables"].clone()
     table[1, 2] = kw["k_cache"].shape[0] if bad == "num_pages" else bad
-    expect_value_error(with_(kw, block_tables=table), "block_tables", "page ids in")
+    msg = expect_value_error(with_(kw, block_tables=table), "block_tables", "page ids in")
+    assert f"{int(table[1, 2])} at [1, 2]" in msg, msg
+
+
+def test_block_table_entries_past_a_sequences_pages_are_not_read():
+    """An entry past the pages a sequence's kv_len needs may hold anything (engines pad with -1)."""
+    kw = paged()
+    table = kw["block_tables"].clone()
+    lens = kw["actual_seq_lens_kv"].reshape(-1).tolist()
+    b = min(range(len(lens)), key=lambda i: lens[i])
+    need = -(-lens[b] // PS)
+    assert need < table.shape[1]
+    table[b, need:] = -1
+    ref = pagedprefill.cudnn_batch_prefill_with_kv_cache(**kw, backend="torch")[0].clone()
+    out = pagedprefill.cudnn_batch_prefill_with_kv_cache(**with_(kw, block_tables=table), backend="torch")[0]
+    torch.testing.assert_close(out, ref)
 
 
 def test_block_table_float_dtype():

@@ -20,12 +20,18 @@ is clamped instead (:mod:`pagedprefill.workspace`).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
+
+try:  # numpy is optional (torch does not require it): checks of CPU tables run faster with it
+    import numpy as np
+except ImportError:  # pragma: no cover - depends on the environment
+    np = None
 
 from pagedprefill.batch import (
     FP8_DTYPES,
@@ -717,12 +723,27 @@ def alloc_rows(seq: Sequences, rows_q: int, which: str) -> int:
     return need
 
 
+@functools.lru_cache(maxsize=64)
+def _used_pages(lens_kv: tuple[int, ...], page_size: int, width: int):
+    """(B, width) bool: the block-table entries sequences with these key counts use."""
+    need = np.array([-(-n // page_size) for n in lens_kv], dtype=np.int64).reshape(-1, 1)
+    return np.arange(width).reshape(1, -1) < need
+
+
 def check_page_ids(pages: Tensor, seq: Sequences, num_pages: int) -> None:
     """Page ids of a CPU page table / index list that some sequence uses, in [0, num_pages)."""
     h = seq.host
     if h is None or pages.device.type != "cpu":
         return
     ps = seq.page_size
+    if np is not None and seq.pages == "table" and pages.dtype in (torch.int32, torch.int64) and pages.dim() == 2:
+        used = _used_pages(h.lens_kv, ps, pages.shape[1])  # (numpy on a small table: no per-op dispatch)
+        ids = pages.numpy()[used]
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= num_pages):
+            bad = np.argwhere(used & ((pages.numpy() < 0) | (pages.numpy() >= num_pages)))[0]
+            b, j = int(bad[0]), int(bad[1])
+            raise fail("block_tables", f"page ids in [0, {num_pages})", f"{int(pages[b, j])} at [{b}, {j}]")
+        return
     need = torch.tensor([-(-n // ps) for n in h.lens_kv], dtype=torch.int64)
     if seq.pages == "table":
         used = torch.arange(pages.shape[1]).view(1, -1) < need.view(-1, 1)

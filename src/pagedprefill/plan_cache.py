@@ -41,7 +41,10 @@ def _vector(t: object) -> tuple | None:
         return ("dev", t.shape, t.stride(), t.dtype, t.device)
     if t.dim() not in (1, 4) or t.dtype not in (torch.int32, torch.int64):
         return None
-    return (t.dtype, t.shape, tuple(t.reshape(-1).tolist()))
+    try:
+        return (t.dtype, t.shape, t.detach().numpy().tobytes())  # (the contents, as bytes: cheap to hash)
+    except RuntimeError:  # (no numpy)
+        return (t.dtype, t.shape, tuple(t.reshape(-1).tolist()))
 
 
 def _scale(s: object) -> tuple | None:
