@@ -12,9 +12,10 @@ from helpers import HAS_CUDA
 from oracle import check, make_case
 
 import pagedprefill
+from pagedprefill import workspace
 from pagedprefill.backends import torch_ref
 from pagedprefill.kernels import metadata
-from pagedprefill.workspace import WorkspaceGuard, meta_bytes
+from pagedprefill.workspace import meta_bytes
 
 
 def _adversarial(rng: random.Random, n: int, scale: int, dtype: torch.dtype) -> torch.Tensor:
@@ -119,12 +120,25 @@ def test_a_workspace_in_use_by_another_thread_is_refused(monkeypatch):
     check(b, out, lse, atol=2e-5)
 
 
-def test_guard_is_reentrant_in_one_thread():
+def test_hold_is_reentrant_in_one_thread_and_refused_to_another():
     ws = torch.empty(16, dtype=torch.uint8)
-    with WorkspaceGuard(ws):
-        with WorkspaceGuard(ws):
-            pass
-        with WorkspaceGuard(ws):
-            pass
-    with WorkspaceGuard(ws):
-        pass
+    assert not workspace.acquire(ws)  # the outer hold
+    assert workspace.acquire(ws)  # a nested call on the same thread: not released by it
+    errors = []
+
+    def other():
+        try:
+            workspace.acquire(ws)
+        except ValueError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert errors and errors[0].startswith("workspace_buffer: expected a workspace no other thread is using")
+    workspace.release(ws)
+    t = threading.Thread(target=lambda: (workspace.acquire(ws), workspace.release(ws)))
+    t.start()
+    t.join()
+    assert not workspace.acquire(ws)
+    workspace.release(ws)

@@ -5,7 +5,7 @@ and copied once, when the plan is made (:func:`host_table`). With device lengths
 table is computed on the device at every run (:func:`write_device_table`), into the first bytes of
 the workspace (:func:`carve`), whatever the device tensors hold (every value clamped); the backend's
 scratch follows it. A workspace serves one call at a time (one stream, one thread): two calls that
-share one race on its bytes, so :class:`WorkspaceGuard` refuses a second concurrent call.
+share one race on its bytes, so :func:`acquire` refuses a second concurrent call.
 """
 
 from __future__ import annotations
@@ -138,17 +138,3 @@ def acquire(ws: Tensor) -> bool:
 
 def release(ws: Tensor) -> None:
     _HELD.pop(ws.data_ptr(), None)
-
-
-class WorkspaceGuard:
-    """``with WorkspaceGuard(ws):`` :func:`acquire` / :func:`release` around a call."""
-
-    def __init__(self, ws: Tensor):
-        self.ws = ws
-
-    def __enter__(self) -> None:
-        self.nested = acquire(self.ws)
-
-    def __exit__(self, *exc) -> None:
-        if not self.nested:
-            release(self.ws)
