@@ -17,17 +17,10 @@ import torch
 from pagedprefill.bench import cases, layers, timing
 
 
-def per_call_us(fn, n: int = 2000) -> float:
+def per_call_us(fn, n: int = 500) -> float:
     for _ in range(20):
         fn()
-    torch.cuda.synchronize()
-    timing.preload(50)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    dt = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return dt
+    return timing.host_time_ms(fn, n) * 1e3
 
 
 def primitives() -> None:
@@ -86,7 +79,7 @@ def main() -> None:
     ap.add_argument("--backends", default="triton,cudnn")
     ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args()
-    print("== primitives (µs per call, queued while the GPU sleeps)")
+    print("== primitives (µs per call, back to back, no sync)")
     primitives()
     known = layers.known_cases()
     n = 32

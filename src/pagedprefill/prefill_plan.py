@@ -176,9 +176,9 @@ class PrefillPlan:
             raise fail("return_lse", "False: the plan was made without an LSE layout (plan with return_lse=True)", True)
         lse_mode = seq.lse if return_lse else "none"
         out_allocated = out is None
-        if out is None:
+        if out is None:  # (the layout of the buffers each run allocates: no memory behind it)
             rows = normalise.alloc_rows(seq, q.shape[0], "o")
-            out = torch.empty((rows, shape.num_qo_heads, shape.head_dim_vo), dtype=o_dtype, device=q.device)
+            out = torch.empty((rows, shape.num_qo_heads, shape.head_dim_vo), dtype=o_dtype, device="meta")
         else:
             out = normalise.check_tensor("out", out, 3, q.device)
             if out.dtype != o_dtype:
@@ -190,7 +190,7 @@ class PrefillPlan:
                     lse_shape = (normalise.alloc_rows(seq, q.shape[0], "stats"), seq.num_qo_heads)
                 else:
                     lse_shape = (seq.batch_size, seq.max_q, seq.num_qo_heads)
-                lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+                lse = torch.empty(lse_shape, dtype=torch.float32, device="meta")
             else:
                 _check_lse(lse, seq, q.device)
         elif lse is not None:
