@@ -65,4 +65,7 @@ def test_bound_launch_declines_hooks_and_alignment_changes(monkeypatch):
         finally:
             hook.remove(print)
     assert b((t0, t1), ())
+    monkeypatch.setattr(launch.triton.knobs.runtime, "debug", not launch.triton.knobs.runtime.debug)
+    assert not b((t0, t1), ())  # debug turned on since the first launch: another compiled kernel
+    monkeypatch.undo()
     assert len(raw.calls) == 2

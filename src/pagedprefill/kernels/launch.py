@@ -122,7 +122,7 @@ def fast_launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
         kernel[grid](*args, **kwargs)
         return
     try:
-        jit_knobs = (triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode)
+        jit_knobs = _jit_knobs()
         device = triton.runtime.driver.active.get_current_device()
         key = (kernel, device, jit_knobs, _kwargs_key(kwargs), tuple(_spec_of(a) for a in args))
         hit = _LAUNCHES.get(key)
@@ -153,7 +153,7 @@ class BoundLaunch:
     base addresses not seen yet); the caller then launches through Triton's path and calls
     :meth:`remember` with the descriptors."""
 
-    DESC_CACHE = 256
+    DESC_CACHE = 1024  # (an 80-layer model with four descriptors per layer: 320)
 
     __slots__ = (
         "raw",
@@ -166,13 +166,17 @@ class BoundLaunch:
         "function",
         "descs",
         "grid",
+        "kernel",
+        "jit_knobs",
     )
 
-    def __init__(self, raw, template, tensor_at, aligned, desc_at, desc_meta, device, function, grid):
+    def __init__(self, raw, template, tensor_at, aligned, desc_at, desc_meta, device, function, grid, kernel=None):
         self.raw, self.template, self.tensor_at, self.aligned = raw, template, tensor_at, aligned
         self.desc_at = desc_at
         self.desc_meta, self.device, self.function, self.grid = desc_meta, device, function, grid
         self.descs: dict = {}
+        self.kernel = kernel  # (its pre-run hooks, when set later, need Triton's path)
+        self.jit_knobs = _jit_knobs()
 
     def remember(self, bases: tuple, descs: tuple) -> None:
         """Keep the encoding of ``descs`` (the kernel's TMA descriptors, in order) for calls whose
@@ -189,6 +193,8 @@ class BoundLaunch:
         rt = triton.knobs.runtime
         if _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook):
             return False
+        if _jit_knobs() != self.jit_knobs or (self.kernel is not None and self.kernel.pre_run_hooks):
+            return False  # (debug or instrumentation turned on since: another compiled kernel)
         if torch.cuda.current_device() != self.device:
             return False
         args = self.template.copy()
@@ -207,6 +213,11 @@ class BoundLaunch:
         stream = torch._C._cuda_getCurrentRawStream(self.device)
         self.raw(g[0], g[1], g[2], stream, self.function, *args)
         return True
+
+
+def _jit_knobs() -> tuple:
+    """The Triton knobs a compiled kernel depends on beyond its arguments (as fast_launch keys them)."""
+    return (triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode)
 
 
 def _hooked(hook) -> bool:
@@ -272,7 +283,8 @@ def bind(kernel, grid: tuple, args: tuple, kwargs: dict) -> BoundLaunch | None:
                 return None
         device = triton.runtime.driver.active.get_current_device()
         grid3 = (*grid, 1, 1)[:3]
-        return BoundLaunch(raw, template, tensor_at, aligned, desc_at, desc_meta, device, compiled.function, grid3)
+        fn = compiled.function
+        return BoundLaunch(raw, template, tensor_at, aligned, desc_at, desc_meta, device, fn, grid3, kernel)
     except Exception:  # pragma: no cover - Triton internals other than those checked
         return None
 

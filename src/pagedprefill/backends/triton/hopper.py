@@ -389,5 +389,6 @@ class HopperPlan:
             bound = self._bound = bind(kernel, grid, args, kwargs)
         else:
             fast_launch(kernel, grid, args, kwargs)
-        if bound is not None:
+        if bound is not None and tuple(d is not None for d in descs) == self._descs_present:
+            # (a call whose descriptors differ from the bound launch's is never remembered for it)
             bound.remember(self._bases(t), tuple(d for d in descs if d is not None))
