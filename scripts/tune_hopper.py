@@ -3,7 +3,9 @@
     python scripts/tune_hopper.py d256_b8_q2k "BLOCK_N=32,stages=4" "consumer_regs=232,load_regs=40"
 
 Each knob set is ``name=value`` pairs (``tuning.override("hopper", ...)``); the first row is the
-default config. Times: CUDA events around one call, L2 flushed before it, median of 30 runs.
+default config. Times: CUDA events around one call, L2 flushed before it, median of 30 runs; the
+queue is not pre-loaded, so on calls shorter than their host time that time shows too (compare rows
+of one run; the eager table of ``pagedprefill-bench`` is the measurement of record).
 """
 
 from __future__ import annotations
