@@ -11,7 +11,7 @@ Where each argument is checked:
   metadata (:class:`~pagedprefill.batch.HostMetadata`) when every length and offset is on the CPU;
 * :func:`batch_for` — what needs both: row counts of q / out / ragged K/V / lse against the
   offsets, page ids of a CPU table, and the workspace;
-* :func:`check_overlaps` — aliasing between the call's buffers, at every run (addresses change).
+* :func:`check_spans` — aliasing between the call's buffers, at every run (addresses change).
 
 Nothing here launches a kernel or reads a device tensor back: lengths and offsets on the device
 are never validated (that would need a host sync); the metadata computed from them on the device
@@ -197,13 +197,13 @@ def byte_span(t: Tensor) -> tuple[int, int]:
     return lo, hi
 
 
-def check_overlaps(named: Sequence[tuple[str, Tensor | None]], written: Sequence[str]) -> None:
+def check_spans(spans: Sequence[tuple[str, int, int]], written: Sequence[str]) -> None:
     """Raise when a buffer the call writes (``written``: out, lse, workspace_buffer) shares bytes
-    with any other buffer of the call. By address extent: a conservative test (two interleaved but
-    disjoint views of one buffer count as overlapping)."""
-    spans = [(name, byte_span(t)) for name, t in named if t is not None and t.numel()]
-    for i, (a, (alo, ahi)) in enumerate(spans):
-        for b, (blo, bhi) in spans[i + 1 :]:
+    with any other buffer of the call, from their ``(name, first, last + 1)`` byte spans (empty
+    tensors left out). By address extent: a conservative test (two interleaved but disjoint views of
+    one buffer count as overlapping)."""
+    for i, (a, alo, ahi) in enumerate(spans):
+        for b, blo, bhi in spans[i + 1 :]:
             if (a in written or b in written) and alo < bhi and blo < ahi:
                 w, o = (a, b) if a in written else (b, a)
                 raise fail(

@@ -49,7 +49,7 @@ class LayerPlan:
         self.table_launch: list = [None]  # the device table's launch, bound after its first one
 
     def check_overlaps(self, named) -> None:
-        """:func:`normalise.check_overlaps` for this layout's ``(name, tensor)`` pairs, from their
+        """:func:`normalise.check_spans` for this layout's ``(name, tensor)`` pairs, from their
         addresses and the byte extents their layouts fix (the written ones are out, lse and the
         workspace); a combination of addresses found disjoint before is not examined again."""
         ptrs = tuple(t.data_ptr() if t is not None else None for _, t in named)
@@ -57,29 +57,19 @@ class LayerPlan:
             return
         ext = self.extents
         spans = []
-        for name, t in named:
+        for (name, t), lo in zip(named, ptrs):
             if t is None:
                 continue
             e = ext.get(name)
             if e is None:
-                lo, hi = normalise.byte_span(t)
-                e = ext[name] = hi - lo
+                first, last = normalise.byte_span(t)
+                e = ext[name] = last - first
             if e:
-                lo = t.data_ptr()
                 spans.append((name, lo, lo + e))
-        self._check_spans(named, spans)
+        normalise.check_spans(spans, _WRITTEN)
         if len(self.disjoint) >= 1024:
             self.disjoint.clear()
         self.disjoint.add(ptrs)
-
-    @staticmethod
-    def _check_spans(named, spans) -> None:
-        for w, wlo, whi in spans:
-            if w not in _WRITTEN:
-                continue
-            for o, olo, ohi in spans:
-                if o != w and wlo < ohi and olo < whi:
-                    normalise.check_overlaps(named, _WRITTEN)  # (raises, naming the pair)
 
 
 _WRITTEN = ("out", "lse", "workspace_buffer")
@@ -258,7 +248,8 @@ class PrefillPlan:
             named += [("actual_seq_lens_q", vectors.lens_q), ("actual_seq_lens_kv", vectors.lens_kv)]
             named += [("kv_indptr", vectors.kv_indptr), ("kv_last_page_len", vectors.kv_last_page_len)]
             named += [(f"batch_offsets_{n}", t) for n, t in vectors.offsets.items()]
-        if scales[0] is not None or scales[1] is not None or scales[2] is not None:
+        scaled = scales[0] is not None or scales[1] is not None or scales[2] is not None
+        if scaled:
             named += [(n, s) for n, s in zip(("q_scale", "k_scale", "v_scale"), scales) if isinstance(s, Tensor)]
         lp.check_overlaps(named)
         if batch.empty:
@@ -279,10 +270,7 @@ class PrefillPlan:
                     self._wait_copy()
             else:
                 workspace.write_device_table(lp.bounds, vectors, meta, lp.table_launch)
-            if scales[0] is None and scales[1] is None and scales[2] is None:
-                q_s = k_s = v_s = None
-            else:
-                q_s, k_s, v_s = (_device_scale(s, dev) for s in scales)
+            q_s, k_s, v_s = (_device_scale(s, dev) for s in scales) if scaled else (None, None, None)
             t = CallTensors(
                 q,
                 k,
