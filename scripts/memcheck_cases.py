@@ -2,10 +2,10 @@
 ``compute-sanitizer --tool memcheck`` (scripts/gpu_session.sh memcheck) with the caching allocator
 off, so that every tensor is its own allocation and any access outside one is reported.
 
-Paths: the Hopper kernel (TMA and cp.async K/V, Q by TMA and by the consumers, static and dynamic
-scheduling, window / soft-cap / sinks), the portable kernel (paged, ragged, split-KV, fp8, D 96 /
-256, CSR pages), the device metadata kernel (device lengths and offsets, untrusted values), the
-cuDNN preparation kernel and graph, and the merge kernel.
+Paths: the Hopper kernel (TMA and cp.async K/V, fp8 K/V through its staging slots, Q by TMA and by
+the consumers, static and dynamic scheduling, window / soft-cap / sinks), the portable kernel (paged,
+ragged, split-KV, fp8, D 96 / 256, CSR pages), the device metadata kernel (device lengths and
+offsets, untrusted values), the cuDNN preparation kernel and graph, and the merge kernel.
 """
 
 from __future__ import annotations
@@ -51,7 +51,15 @@ def main() -> int:
             "triton",
             None,
         ),
-        ("fa2 d96 fp8kv", dict(dqk=96, page_size=16, dtype=BF16, kv_dtype=E4M3), "triton", None),
+        ("hopper fp8kv paged16 tma staging", dict(dqk=128, page_size=16, dtype=BF16, kv_dtype=E4M3), "triton", None),
+        (
+            "hopper fp8kv d96 page1 gqa3",
+            dict(dqk=96, page_size=1, dtype=F16, hq=6, hkv=2, kv_dtype=E4M3),
+            "triton",
+            None,
+        ),
+        ("hopper fp8kv d256 ragged", dict(dqk=256, page_size=0, dtype=BF16, kv_dtype=E4M3), "triton", None),
+        ("fa2 d96 fp8kv", dict(dqk=96, page_size=16, dtype=BF16, kv_dtype=E4M3), "triton", dict(hopper=0)),
         ("fa2 d256 fp8", dict(dqk=256, page_size=0, dtype=E4M3, kv_dtype=E4M3), "triton", None),
         (
             "fa2 split window sinks",

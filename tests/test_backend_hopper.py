@@ -75,12 +75,15 @@ def test_not_used_off_the_gpu():
         (dict(window_left=8), True),
         (dict(sinks=True), True),
         (dict(logits_soft_cap=5.0), True),
-        (dict(dtype=F16, kv_dtype=torch.float8_e4m3fn), False),
+        (dict(dtype=F16, kv_dtype=torch.float8_e4m3fn), True),
+        (dict(dtype=BF16, kv_dtype=torch.float8_e5m2, dqk=96), True),
+        (dict(dtype=torch.float8_e4m3fn), False),  # (fp8 q: the portable kernel)
+        (dict(dtype=F16, kv_dtype=torch.float8_e4m3fn, dqk=80), False),
     ],
 )
 def test_what_it_serves(kw, served):
-    """16-bit, Dqk = Dvo in {64, 96, 128, 256} or 192 / 128 (variants included): the rest takes the
-    portable kernel."""
+    """16-bit q with K/V in its dtype or fp8 (widened in the kernel), Dqk = Dvo in {64, 96, 128, 256} or
+    192 / 128 (variants included): the rest takes the portable kernel."""
     why = hp.unavailable_reason(batch_of(_case(**kw)))
     assert (why == "not a CUDA device") == served, why
 
@@ -120,6 +123,28 @@ def test_stages_fit_shared_memory():
         n = hp.stages(batch, cfg)
         assert n == want
         assert 2 * (cfg.BLOCK_M * dqk + n * cfg.BLOCK_N * (dqk + dvo)) <= hp.SMEM_BYTES
+        assert hp.kv8_stages(batch, cfg) == 0
+
+
+def test_fp8_staging_fits_beside_the_ring():
+    """8-bit K/V: three staging slots where the ring keeps three stages (two otherwise), and Q, the ring
+    and the staging slots within shared memory, for every head dim and both tile widths."""
+    for dqk, dvo in hp.HEAD_DIMS:
+        for wide in (0, 1):
+            batch = batch_of(_case(dqk=dqk, dvo=dvo, dtype=BF16, kv_dtype=torch.float8_e4m3fn))
+            with tuning.override("hopper", wide=wide):
+                if wide and dqk == 192:  # (Q, two 128-key stages and two staging slots: 288 KB)
+                    with pytest.raises(ValueError, match="exceed shared memory"):
+                        hp.config(batch)
+                    continue
+                cfg = hp.config(batch)
+            n, n8 = hp.stages(batch, cfg), hp.kv8_stages(batch, cfg)
+            tile = cfg.BLOCK_N * (dqk + dvo)
+            room = hp.SMEM_BYTES - 2 * cfg.BLOCK_M * dqk
+            assert n8 == (3 if (room - 3 * tile) // (2 * tile) >= 3 else 2) and n >= 2, (dqk, wide, n, n8)
+            assert 2 * cfg.BLOCK_M * dqk + 2 * n * tile + n8 * tile <= hp.SMEM_BYTES, (dqk, wide)
+    fp8 = batch_of(_case(causal=False, dtype=BF16, kv_dtype=torch.float8_e4m3fn))
+    assert hp.config(fp8).BLOCK_N == hp.DEFAULT.BLOCK_N  # (WIDE would leave the ring two stages)
 
 
 def test_o_stage_needs_out_in_qs_dtype_and_room():
@@ -246,6 +271,8 @@ _AOT = textwrap.dedent(
     ptxas = triton.knobs.nvidia.ptxas.path
     for d, page, causal, dt, dvo, knobs in {specs!r}:
         variants = {{k: knobs.pop(k) for k in ("window_left", "logits_soft_cap", "sinks") if k in knobs}}
+        if "kv_dtype" in knobs:
+            variants["kv_dtype"] = getattr(torch, knobs.pop("kv_dtype"))
         case = make_case(0, lens_q=[5, 7], lens_kv=[9, 30], hq=8, hkv=2, dqk=d, dvo=dvo, page_size=page,
                          dtype=getattr(torch, dt), causal=causal, **variants)
         p, lp, ws = planned(case, "torch")
@@ -285,6 +312,12 @@ SPECS = [
     (96, 16, True, "bfloat16", 96, {}),  # D 96: 64 + 32 columns, two PV GEMMs
     (96, 1, False, "float16", 96, dict(window_left=40)),
     (128, 64, True, "bfloat16", 128, dict(dynamic=1)),
+    # 8-bit K/V: TMA (or cp.async) into staging slots, widened by the load warps
+    (128, 16, True, "bfloat16", 128, dict(kv_dtype="float8_e4m3fn")),
+    (64, 1, False, "float16", 64, dict(kv_dtype="float8_e5m2")),
+    (96, 16, True, "bfloat16", 96, dict(kv_dtype="float8_e4m3fn")),
+    (256, 0, True, "bfloat16", 256, dict(kv_dtype="float8_e4m3fn")),
+    (192, 16, True, "bfloat16", 128, dict(kv_dtype="float8_e4m3fn", logits_soft_cap=30.0)),
 ]
 
 
@@ -408,6 +441,59 @@ def test_gpu_chunked_dealing_short_last_chunk(causal, dynamic, monkeypatch):
         case.kwargs["out"].fill_(float("nan"))
         case.kwargs["lse"].fill_(float("nan"))
         check_forced(case, chunk=4, dynamic=dynamic)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(1400, 1424))
+def test_gpu_random_grid_fp8_kv(seed, monkeypatch):
+    """e4m3 / e5m2 K/V widened to q's dtype in the kernel (TMA or cp.async into the staging slots),
+    with their device scales folded in, on the random grid: every head dim, page size and layout, small
+    persistent grids, both schedules, variants on a third of the seeds."""
+    if seed % 2:
+        monkeypatch.setattr(hp, "_num_sms", lambda device, n=1 + seed % 3: n)
+    r = random.Random(seed)
+    params = hopper_params(seed)
+    params["kv_dtype"] = (torch.float8_e4m3fn, torch.float8_e5m2)[seed % 2]
+    if seed % 3 == 0:
+        params["window_left"] = r.choice([17, 64, 200])
+        params["logits_soft_cap"] = 30.0
+    knobs = dict(chunk=seed % 5, dynamic=seed // 2 % 2)
+    case = make_case(seed, **params)
+    assert hp.config(batch_of(case)) is not None and hp.unavailable_reason(batch_of(case)) is None
+    out, lse = call(case, knobs=dict(num_splits=1), hopper=knobs)
+    check(case, out, lse, atol=atol_for(params["dtype"], params["kv_dtype"]), lse_atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dqk", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("page_size", [16, 1, 0])
+def test_gpu_fp8_kv_tile_boundaries(dqk, page_size, monkeypatch):
+    """8-bit K/V: consumers' key ranges ending either side of tile boundaries (the last tile gathered,
+    the rest by TMA or all gathered), GQA 3 and 5, items many per program (the staging slots' phases
+    carried across items), a negative k_scale (no max-first shortcut) on D 128."""
+    monkeypatch.setattr(hp, "_num_sms", lambda device: 2)
+    group = 3 if dqk in (64, 128, 256) else 5
+    case = make_case(
+        52,
+        lens_q=[40, 41, 150, 90],
+        lens_kv=[65, 84, 100, 1500],
+        hq=2 * group,
+        hkv=2,
+        dqk=dqk,
+        dvo=128 if dqk == 192 else dqk,
+        page_size=page_size,
+        dtype=BF16,
+        kv_dtype=torch.float8_e4m3fn,
+        causal=True,
+        device="cuda",
+    )
+    if dqk == 128:
+        case.kwargs["k_scale"] = -case.kwargs["k_scale"]
+    assert hp.unavailable_reason(batch_of(case)) is None
+    for _ in range(2):  # (the second run: the bound launch)
+        case.kwargs["out"].fill_(float("nan"))
+        out, lse = call(case, knobs=dict(num_splits=1))
+        check(case, out, lse, atol=atol_for(BF16, torch.float8_e4m3fn), lse_atol=2e-2)
 
 
 @pytest.mark.gpu

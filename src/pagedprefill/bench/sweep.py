@@ -114,6 +114,14 @@ def run_backend(case: cases.Case, backend: str, args: argparse.Namespace, progre
         ms, n = timing.time_cpu(fn, args.reps)
         timer = "perf_counter"
     res.update(ms=ms, reps=n, timer=timer)
+    if case.fp8 and kwargs is not None and data == case.kind and device.type == "cuda":
+        # the same backend on the 16-bit data the fp8 data was made from: is quantising ever slower?
+        wide = case.kwargs(case.wide)
+        cases.first_call(wide, backend, progress.write)
+        wfn = cases.library_call(wide, backend)
+        if graph:
+            wfn, _ = _capture(wfn, backend, progress.write)
+        res["wide_ms"], _, _ = timing.time_gpu(wfn, cfg, progress.write)
     return res
 
 
@@ -255,6 +263,11 @@ def report(
             notes.append(f"skipped: {r['workload']} / {r['backend']}: {r['skipped']}")
         if r.get("fp8_skipped"):
             notes.append(f"{r['workload']} / {r['backend']}: ran the {r['data']} data ({r['fp8_skipped']})")
+        if r.get("wide_ms") and r.get("ms"):
+            notes.append(
+                f"{r['workload']} / {r['backend']}: {r['ms']:.3f} ms on the {r['data']} data, "
+                f"{r['wide_ms']:.3f} ms on its 16-bit data ({r['wide_ms'] / r['ms']:.2f}x the 16-bit speed)"
+            )
         if r.get("error"):
             notes.append(f"error: {r['workload']} / {r['backend']}: {r['error']}")
     for r in failed:

@@ -23,6 +23,7 @@ except Exception as exc:  # pragma: no cover - depends on the Triton build
     IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 LOG2E = 1.4426950408889634
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # K/V dtypes widened to q's in the kernel
 SMEM_BYTES = 227 * 1024 - 1024  # sm_90's shared memory per block, less room for the barriers
 
 
@@ -74,12 +75,12 @@ def unavailable_reason(batch: PrefillBatch) -> str | None:
     if hk is None:
         return f"Gluon is not importable: {IMPORT_ERROR}"
     dt = batch.q.dtype
-    if dt not in (torch.float16, torch.bfloat16) or batch.k.dtype != dt:
-        return "q, k and v must share one 16-bit dtype"
+    if dt not in (torch.float16, torch.bfloat16) or batch.k.dtype not in (dt, *FP8) or batch.v.dtype != batch.k.dtype:
+        return "q 16-bit, and k and v in q's dtype or one fp8 dtype"
     if (batch.head_dim_qk, batch.head_dim_vo) not in HEAD_DIMS:
         return "head dims other than Dqk = Dvo in {64, 96, 128, 256} and Dqk 192 / Dvo 128"
-    if not batch.scale > 0 or batch.q_scaled or batch.k_scaled or batch.v_scaled:
-        return "scale tensors or a non-positive scale"
+    if not batch.scale > 0 or batch.q_scaled:
+        return "a q_scale tensor or a non-positive scale"
     # cp.async copies 16-byte chunks, and Triton proves an integer's alignment only as "divisible by
     # 16": every q, K and V stride must be a multiple of 16 elements
     for name, lay, aligned in zip("qkv", (batch.q, batch.k, batch.v), batch.aligned):
@@ -97,6 +98,8 @@ def prefers_wide(batch: PrefillBatch) -> bool:
     and non-causal, pages of >= 64 tokens or a prefix of >= 3 query lengths (chunked prefill); causal
     calls with ``max_q`` near ``max_kv`` and pages of 16 tokens lost 1-7%."""
     if (batch.head_dim_qk, batch.head_dim_vo) != (128, 128) or (batch.paged and batch.page_size < 16):
+        return False
+    if batch.fp8_kv:  # (its staging ring would leave 128-key tiles two stages)
         return False
     return not batch.causal or (batch.paged and batch.page_size >= 64) or batch.work_kv >= 4 * batch.work_q
 
@@ -134,6 +137,8 @@ def config(batch: PrefillBatch) -> Config:
         why = f"chunk must be >= 0 (0: all pairs in one chunk), got {cfg.chunk}"
     elif cfg.dynamic not in (0, 1):
         why = f"dynamic must be 0 or 1, got {cfg.dynamic}"
+    elif _ring_stages(batch, cfg, kv8_stages(batch, cfg) * cfg.BLOCK_N * (batch.head_dim_qk + batch.head_dim_vo)) < 2:
+        why = f"Q ({cfg.BLOCK_M} rows), two K/V stages of {cfg.BLOCK_N} keys and the fp8 staging exceed shared memory"
     if why:
         raise ValueError(f"Hopper knob: {why}")
     return cfg
@@ -170,13 +175,15 @@ def _tma_view(t: torch.Tensor, batch: PrefillBatch, box_rows: int, d: int):
     rows += (h - 1) * head_off if head_rows else 0
     if rows <= 0 or rows >= 2**31:  # an empty cache (no TMA needed), or past int32 coordinates
         return None
-    desc = TensorDescriptor(t, [rows, cols], [st, 1], [box_rows, first_part(d)], _smem_layout(first_part(d)))
+    part = first_part(d)
+    desc = TensorDescriptor(t, [rows, cols], [st, 1], [box_rows, part], _smem_layout(part, t.element_size()))
     return desc, page_rows, head_off, head_rows
 
 
-def _smem_layout(cols: int):
-    """The kernel's shared layout for tiles of ``cols`` 16-bit columns (32: 64-byte rows, swizzled so)."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=64 if cols == 32 else 128, element_bitwidth=16, rank=2)
+def _smem_layout(cols: int, esz: int):
+    """The kernel's shared layout for tiles of ``cols`` columns of ``esz``-byte elements: rows
+    swizzled over their bytes, at most 128 (16-bit 32 columns: 64; 8-bit staging: 32, 64, 128)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=min(cols * esz, 128), element_bitwidth=8 * esz, rank=2)
 
 
 def _page_box(batch: PrefillBatch, cfg: Config) -> int:
@@ -202,7 +209,9 @@ def _tma_plan(t: CallTensors, batch: PrefillBatch, box: int):
     for (desc, *_), d, split in ((kv[0], batch.head_dim_qk, True), (kv[1], batch.head_dim_vo, batch.head_dim_vo == 96)):
         rest = d - first_part(d)
         parts.append(
-            TensorDescriptor(desc.base, desc.shape, desc.strides, [box, rest], _smem_layout(rest))
+            TensorDescriptor(
+                desc.base, desc.shape, desc.strides, [box, rest], _smem_layout(rest, desc.base.element_size())
+            )
             if rest and split
             else None
         )
@@ -225,12 +234,27 @@ def o_stage_mode(batch: PrefillBatch, q_tma: bool) -> int:
     return int(batch.out.dtype == batch.q.dtype and fits)
 
 
-def stages(batch: PrefillBatch, cfg: Config) -> int:
-    """``cfg.stages``, or fewer where Q and the K/V ring would not fit in shared memory (Dqk > 128)."""
+def kv8_stages(batch: PrefillBatch, cfg: Config) -> int:
+    """Staging slots for 8-bit K/V (the kernel's ``KV8_STAGES``; 0: K/V in q's dtype): three (two tiles
+    in flight while one is widened) where that leaves the ring three stages, else two."""
+    if not batch.fp8_kv:
+        return 0
+    tile8 = cfg.BLOCK_N * (batch.head_dim_qk + batch.head_dim_vo)
+    return 3 if _ring_stages(batch, cfg, 3 * tile8) >= 3 else 2
+
+
+def _ring_stages(batch: PrefillBatch, cfg: Config, staging_bytes: int) -> int:
     esz = batch.q.dtype.itemsize
     q_bytes = cfg.BLOCK_M * batch.head_dim_qk * esz
     stage_bytes = cfg.BLOCK_N * (batch.head_dim_qk + batch.head_dim_vo) * esz
-    return max(2, min(cfg.stages, (SMEM_BYTES - q_bytes) // stage_bytes))
+    return (SMEM_BYTES - q_bytes - staging_bytes) // stage_bytes
+
+
+def stages(batch: PrefillBatch, cfg: Config) -> int:
+    """``cfg.stages``, or fewer where Q, the K/V ring and the 8-bit staging slots would not fit in shared
+    memory (Dqk > 128, 8-bit K/V)."""
+    staging = kv8_stages(batch, cfg) * cfg.BLOCK_N * (batch.head_dim_qk + batch.head_dim_vo)
+    return max(2, min(cfg.stages, _ring_stages(batch, cfg, staging)))
 
 
 def num_m_blocks(batch: PrefillBatch, cfg: Config) -> int:
@@ -298,6 +322,9 @@ class HopperPlan:
                 WINDOW=batch.window_left >= 0,
                 SOFTCAP=batch.logits_soft_cap > 0,
                 HAS_SINKS=batch.has_sinks,
+                KV8_STAGES=kv8_stages(batch, cfg),
+                K_SCALED=batch.k_scaled,
+                V_SCALED=batch.v_scaled,
                 num_warps=4,
             )
         return got
@@ -353,6 +380,8 @@ class HopperPlan:
             batch.window_left,
             float(batch.logits_soft_cap),
             t.sinks if t.sinks is not None else meta,
+            t.k_scale if t.k_scale is not None else meta,
+            t.v_scale if t.v_scale is not None else meta,
         )
         return [(hk.attention_kernel, self.grid, args, self._constexprs(tma, q_tma))]
 
@@ -369,6 +398,8 @@ class HopperPlan:
             t.pages if self.batch.paged else meta,
             t.scratch if self.dynamic else meta,  # (the counter's first bytes)
             t.sinks if t.sinks is not None else meta,
+            t.k_scale if t.k_scale is not None else meta,
+            t.v_scale if t.v_scale is not None else meta,
         )
 
     def _bases(self, t: CallTensors) -> tuple:

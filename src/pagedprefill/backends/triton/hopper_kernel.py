@@ -68,6 +68,11 @@ class Geometry:
     WINDOW: gl.constexpr  # a sliding window: keys below position - window are skipped / masked
     SOFTCAP: gl.constexpr  # logits c * tanh(s / c)
     SINKS: gl.constexpr  # a per-head sink logit in every row's denominator
+    KV8: gl.constexpr  # 8-bit K/V: tiles arrive in a staging ring and the load warps widen them
+    S8: gl.constexpr  # KV8: staging slots (tiles in flight ahead of the one being widened, plus it)
+    VEC: gl.constexpr  # K/V elements per 16-byte cp.async chunk
+    K_SCALED: gl.constexpr  # a device k_scale multiplies the logits (any sign: no max-first shortcut)
+    V_SCALED: gl.constexpr  # a device v_scale multiplies O
 
     @gluon.constexpr_function
     def __init__(
@@ -91,6 +96,10 @@ class Geometry:
         WINDOW,
         SOFTCAP,
         SINKS,
+        KV8,
+        S8,
+        K_SCALED,
+        V_SCALED,
     ):
         self.GROUP = gl.constexpr(GROUP)
         self.PAGE_SIZE = gl.constexpr(PAGE_SIZE)
@@ -117,6 +126,11 @@ class Geometry:
         self.WINDOW = gl.constexpr(WINDOW)
         self.SOFTCAP = gl.constexpr(SOFTCAP)
         self.SINKS = gl.constexpr(SINKS)
+        self.KV8 = gl.constexpr(KV8)
+        self.S8 = gl.constexpr(S8)
+        self.VEC = gl.constexpr(16 if KV8 else 8)
+        self.K_SCALED = gl.constexpr(K_SCALED)
+        self.V_SCALED = gl.constexpr(V_SCALED)
 
 
 @aggregate
@@ -351,6 +365,26 @@ class KVRing:
 
 
 @aggregate
+class Staging:
+    """KV8: 8-bit K/V tiles as they arrive, ``S8`` slots (TMA boxes for whole tiles, cp.async otherwise)
+    with a barrier each, until the load warps widen them into the :class:`KVRing`."""
+
+    k: gl.shared_memory_descriptor  # [S8, BLOCK_N, DQ0] 8-bit
+    k1: gl.shared_memory_descriptor  # [S8, BLOCK_N, DQ1] (DQ1 > 0), else k
+    v: gl.shared_memory_descriptor  # [S8, BLOCK_N, DV0]
+    v1: gl.shared_memory_descriptor  # [S8, BLOCK_N, DV1] (DV1 > 0), else v
+    full: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, k, k1, v, v1, full):
+        self.k = k
+        self.k1 = k1
+        self.v = v
+        self.v1 = v1
+        self.full = full
+
+
+@aggregate
 class QSlots:
     """Each consumer's Q rows in shared memory (and its O rows on the way out, O_STAGE), with the
     barriers of their TMA copies (Q_TMA)."""
@@ -440,32 +474,38 @@ class KVSource:
     def gather(self, k_buf, k1_buf, v_buf, v1_buf, w: WorkItem, t, geo: Geometry):
         """cp.async copies of key tile t's K rows (columns [0, DQ0) into k_buf, [DQ0, DQ0 + DQ1) into
         k1_buf) and V rows (likewise into v_buf and v1_buf); rows at or past ``hi`` zero-filled."""
-        NW: gl.constexpr = geo.LOAD_WARPS
-        DQ0: gl.constexpr = geo.DQ0
-        DQ1: gl.constexpr = geo.DQ1
-        DVO: gl.constexpr = geo.DV0
-        DV1: gl.constexpr = geo.DV1
-        LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DQ0 // 8), DQ0 // 8], [NW, 1], [1, 0])
+        LD: gl.constexpr = _chunk_layout(geo.DQ0, geo.VEC, geo.LOAD_WARPS)
         k_off, v_off, ok = self.rows(w, t, geo, LD)
-        d = gl.arange(0, DQ0, gl.SliceLayout(0, LD))
-        async_copy.async_copy_global_to_shared(k_buf, self.K + k_off[:, None] + d[None, :], mask=ok[:, None])
-        if DQ1 > 0:
-            LD1: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DQ1 // 8), DQ1 // 8], [NW, 1], [1, 0])
+        _copy_cols(self.K, k_buf, k_off, ok, 0, geo.DQ0, LD)
+        if geo.DQ1 > 0:
+            LD1: gl.constexpr = _chunk_layout(geo.DQ1, geo.VEC, geo.LOAD_WARPS)
             k1_off, _, ok1 = self.rows(w, t, geo, LD1)
-            d1 = DQ0 + gl.arange(0, DQ1, gl.SliceLayout(0, LD1))
-            async_copy.async_copy_global_to_shared(k1_buf, self.K + k1_off[:, None] + d1[None, :], mask=ok1[:, None])
-        if DVO == DQ0:
-            async_copy.async_copy_global_to_shared(v_buf, self.V + v_off[:, None] + d[None, :], mask=ok[:, None])
+            _copy_cols(self.K, k1_buf, k1_off, ok1, geo.DQ0, geo.DQ1, LD1)
+        if geo.DV0 == geo.DQ0:  # (the same rows: their offsets once)
+            _copy_cols(self.V, v_buf, v_off, ok, 0, geo.DV0, LD)
         else:
-            LDV: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DVO // 8), DVO // 8], [NW, 1], [1, 0])
+            LDV: gl.constexpr = _chunk_layout(geo.DV0, geo.VEC, geo.LOAD_WARPS)
             _, vv_off, okv = self.rows(w, t, geo, LDV)
-            dv = gl.arange(0, DVO, gl.SliceLayout(0, LDV))
-            async_copy.async_copy_global_to_shared(v_buf, self.V + vv_off[:, None] + dv[None, :], mask=okv[:, None])
-        if DV1 > 0:
-            LDV1: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DV1 // 8), DV1 // 8], [NW, 1], [1, 0])
+            _copy_cols(self.V, v_buf, vv_off, okv, 0, geo.DV0, LDV)
+        if geo.DV1 > 0:
+            LDV1: gl.constexpr = _chunk_layout(geo.DV1, geo.VEC, geo.LOAD_WARPS)
             _, v1_off, okv1 = self.rows(w, t, geo, LDV1)
-            dv1 = DVO + gl.arange(0, DV1, gl.SliceLayout(0, LDV1))
-            async_copy.async_copy_global_to_shared(v1_buf, self.V + v1_off[:, None] + dv1[None, :], mask=okv1[:, None])
+            _copy_cols(self.V, v1_buf, v1_off, okv1, geo.DV0, geo.DV1, LDV1)
+
+
+@gluon.constexpr_function
+def _chunk_layout(cols, vec, warps):
+    """Rows of ``cols`` elements as ``vec``-element (16-byte) chunks, one per thread."""
+    tpc = cols // vec
+    return gl.BlockedLayout([1, vec], [32 // tpc, tpc], [warps, 1], [1, 0])
+
+
+@gluon.jit
+def _copy_cols(base, buf, off, ok, C0: gl.constexpr, COLS: gl.constexpr, LD: gl.constexpr):
+    """cp.async copies of columns [C0, C0 + COLS) of the rows at element offsets ``off`` into buf;
+    rows not ``ok`` zero-filled."""
+    d = C0 + gl.arange(0, COLS, gl.SliceLayout(0, LD))
+    async_copy.async_copy_global_to_shared(buf, base + off[:, None] + d[None, :], mask=ok[:, None])
 
 
 @gluon.jit
@@ -505,8 +545,122 @@ def _issue_q(q_desc, slots: QSlots, w: WorkItem, r, geo: Geometry):
 
 
 @gluon.jit
+def _tma_tile(
+    k_buf, k1_buf, v_buf, v1_buf, bar, src: KVSource, w: WorkItem, t, k_desc, k1_desc, v_desc, v1_desc, geo: Geometry
+):
+    """Bulk-tensor copies of key tile t (wholly below kv_len) into the given buffers, PAGE_BOX rows a
+    box (one box never crosses a page), completing on ``bar`` (its byte count set by the caller)."""
+    PAGE_SIZE: gl.constexpr = geo.PAGE_SIZE
+    PAGE_BOX: gl.constexpr = geo.PAGE_BOX
+    for p in gl.static_range(geo.BLOCK_N // PAGE_BOX):
+        pos = t * geo.BLOCK_N + p * PAGE_BOX
+        if PAGE_SIZE == 0:
+            k_row = w.k_start + pos
+            v_row = w.v_start + pos
+        else:
+            page = gl.load(w.BT_row + pos // PAGE_SIZE)
+            page = gl.minimum(gl.maximum(page, 0), src.num_pages - 1)
+            k_row = page * src.k_page_rows + pos % PAGE_SIZE
+            v_row = page * src.v_page_rows + pos % PAGE_SIZE
+        kr, kc = _tma_coords(k_row, w.kv_head, src.k_head_off, geo.K_HEAD_ROWS)
+        vr, vc = _tma_coords(v_row, w.kv_head, src.v_head_off, geo.V_HEAD_ROWS)
+        k_dst = k_buf.slice(p * PAGE_BOX, PAGE_BOX)
+        v_dst = v_buf.slice(p * PAGE_BOX, PAGE_BOX)
+        tma.async_copy_global_to_shared(k_desc, [kr, kc], bar, k_dst)
+        if geo.DQ1 > 0:
+            tma.async_copy_global_to_shared(k1_desc, [kr, kc + geo.DQ0], bar, k1_buf.slice(p * PAGE_BOX, PAGE_BOX))
+        if geo.DVO > 128:  # (V's TMA boxes are 128 columns wide: side by side)
+            for h in gl.static_range(geo.DVO // 128):
+                tma.async_copy_global_to_shared(v_desc, [vr, vc + h * 128], bar, v_dst.slice(h * 128, 128, dim=1))
+        else:
+            tma.async_copy_global_to_shared(v_desc, [vr, vc], bar, v_dst)
+        if geo.DV1 > 0:
+            tma.async_copy_global_to_shared(v1_desc, [vr, vc + geo.DV0], bar, v1_buf.slice(p * PAGE_BOX, PAGE_BOX))
+
+
+@gluon.jit
+def _stage(stg: Staging, slot, src: KVSource, w: WorkItem, t, k_desc, k1_desc, v_desc, v1_desc, geo: Geometry):
+    """KV8: start key tile t's 8-bit K/V on their way into staging slot ``slot``: TMA boxes for a tile
+    wholly below kv_len, else a zero-filling cp.async gather (TMA mode: committed as a group that
+    :func:`_staged` waits for; otherwise each thread's copies arrive on the slot's barrier)."""
+    bar = stg.full.index(slot)
+    if geo.USE_TMA and (t + 1) * geo.BLOCK_N <= w.kv_len:
+        mbarrier.expect(bar, geo.BLOCK_N * (geo.DQ0 + geo.DQ1 + geo.DVO))
+        _tma_tile(
+            stg.k.index(slot),
+            stg.k1.index(slot),
+            stg.v.index(slot),
+            stg.v1.index(slot),
+            bar,
+            src,
+            w,
+            t,
+            k_desc,
+            k1_desc,
+            v_desc,
+            v1_desc,
+            geo,
+        )
+    else:
+        src.gather(stg.k.index(slot), stg.k1.index(slot), stg.v.index(slot), stg.v1.index(slot), w, t, geo)
+        if geo.USE_TMA:
+            async_copy.commit_group()
+        else:
+            async_copy.mbarrier_arrive(bar, increment_count=False)
+
+
+@gluon.jit
+def _staged(stg: Staging, n, w: WorkItem, t, geo: Geometry):
+    """KV8: wait until the load warps' n-th tile (key tile t of item w) has landed in its staging slot."""
+    slot = n % geo.S8
+    if geo.USE_TMA:
+        if (t + 1) * geo.BLOCK_N > w.kv_len:  # (gathered: its group, then one arrive for all threads)
+            async_copy.wait_group(0)
+            mbarrier.arrive(stg.full.index(slot))
+    mbarrier.wait(stg.full.index(slot), (n // geo.S8) & 1)
+
+
+@gluon.constexpr_function
+def _widen_rows(block_n, cols, warps):
+    """Rows widened at a time: 32 elements a thread (registers: 8 in, 16 out)."""
+    return min(block_n, 1024 * warps // cols)
+
+
+@gluon.jit
+def _widen_part(src_buf, dst_buf, COLS: gl.constexpr, geo: Geometry):
+    """KV8: the 8-bit tile in src_buf ([BLOCK_N, COLS]) -> dst_buf in the ring's 16-bit dtype, in
+    chunks of rows through registers."""
+    L: gl.constexpr = _chunk_layout(COLS, 16, geo.LOAD_WARPS)
+    RCH: gl.constexpr = _widen_rows(geo.BLOCK_N, COLS, geo.LOAD_WARPS)
+    for r in gl.static_range(geo.BLOCK_N // RCH):
+        x = src_buf.slice(r * RCH, RCH).load(L)
+        dst_buf.slice(r * RCH, RCH).store(x.to(dst_buf.dtype))
+
+
+@gluon.jit
+def _widen(stg: Staging, slot, ring: KVRing, s, geo: Geometry):
+    """KV8: staging slot ``slot`` -> ring stage s (the caller fences and signals it)."""
+    _widen_part(stg.k.index(slot), ring.k.index(s), geo.DQ0, geo)
+    if geo.DQ1 > 0:
+        _widen_part(stg.k1.index(slot), ring.k1.index(s), geo.DQ1, geo)
+    _widen_part(stg.v.index(slot), ring.v.index(s), geo.DV0, geo)
+    if geo.DV1 > 0:
+        _widen_part(stg.v1.index(slot), ring.v1.index(s), geo.DV1, geo)
+
+
+@gluon.jit
 def _load_partition(
-    sched: Schedule, ring: KVRing, slots: QSlots, src: KVSource, k_desc, k1_desc, v_desc, v1_desc, q_desc, geo: Geometry
+    sched: Schedule,
+    ring: KVRing,
+    stg: Staging,
+    slots: QSlots,
+    src: KVSource,
+    k_desc,
+    k1_desc,
+    v_desc,
+    v1_desc,
+    q_desc,
+    geo: Geometry,
 ):
     """Load warps: fill stage c % STAGES with the program's c-th key tile (counted across its work
     items) once every consumer released it.
@@ -515,13 +669,15 @@ def _load_partition(
     count = load threads). TMA mode (barrier count 1): tiles wholly below kv_len arrive as
     bulk-tensor copies of PAGE_BOX rows each, completing on the barrier's byte count; the tile that
     crosses kv_len is gathered with cp.async (rows past the keys zero-filled, so stale cache slots
-    never reach the PV GEMM) and signalled once all load threads' copies landed."""
+    never reach the PV GEMM) and signalled once all load threads' copies landed.
+
+    KV8: the same copies go into staging slot c % S8, S8 - 1 tiles of the item ahead of the one
+    being widened; the load warps widen each tile into its ring stage and signal it (count 1)."""
     STAGES: gl.constexpr = geo.STAGES
     BLOCK_N: gl.constexpr = geo.BLOCK_N
-    PAGE_SIZE: gl.constexpr = geo.PAGE_SIZE
-    PAGE_BOX: gl.constexpr = geo.PAGE_BOX
     DQ0: gl.constexpr = geo.DQ0
     DQ1: gl.constexpr = geo.DQ1
+    S8: gl.constexpr = geo.S8
     c = gl.program_id(0) * 0  # tiles this program has loaded so far
     r = gl.program_id(0) * 0  # rounds (items) so far
     item = sched.claim(r)
@@ -539,43 +695,44 @@ def _load_partition(
         # QK GEMM; with O_STAGE they hand the slots back only after the last item's epilogue read O
         # from them, so the empty wait may wait for that; or after the item's last tile)
         q_at = gl.minimum(n_load, STAGES - 2)
+        if geo.KV8:  # (the item's first S8 - 1 tiles into staging; the slots' last tiles are widened)
+            for j in gl.static_range(S8 - 1):
+                if j < n_load:
+                    _stage(stg, (c + j) % S8, src, w, t_lo + j, k_desc, k1_desc, v_desc, v1_desc, geo)
         for i in range(n_load):
             t = t_lo + i
             s = (c + i) % STAGES
+            if geo.KV8:  # (slot (c + i - 1) % S8: widened in the last step, which ended in a group sync)
+                if i + S8 - 1 < n_load:
+                    nxt = c + i + S8 - 1
+                    _stage(stg, nxt % S8, src, w, t + S8 - 1, k_desc, k1_desc, v_desc, v1_desc, geo)
             mbarrier.wait(ring.empty.index(s), (((c + i) // STAGES) & 1) ^ 1)
             if geo.Q_TMA:
                 if i == q_at:
                     _issue_q(q_desc, slots, w, r, geo)
-            if geo.USE_TMA:
+            if geo.KV8:
+                _staged(stg, c + i, w, t, geo)
+                _widen(stg, (c + i) % S8, ring, s, geo)
+                fence_async_shared()  # (the widened tiles' generic writes before the consumers' wgmma)
+                mbarrier.arrive(ring.full.index(s))  # (a group sync, then one arrive)
+            elif geo.USE_TMA:
                 if (t + 1) * BLOCK_N <= w.kv_len:
                     mbarrier.expect(ring.full.index(s), 2 * BLOCK_N * (DQ0 + DQ1 + geo.DVO))
-                    for p in gl.static_range(BLOCK_N // PAGE_BOX):
-                        pos = t * BLOCK_N + p * PAGE_BOX  # one box never crosses a page
-                        if PAGE_SIZE == 0:
-                            k_row = w.k_start + pos
-                            v_row = w.v_start + pos
-                        else:
-                            page = gl.load(w.BT_row + pos // PAGE_SIZE)
-                            page = gl.minimum(gl.maximum(page, 0), src.num_pages - 1)
-                            k_row = page * src.k_page_rows + pos % PAGE_SIZE
-                            v_row = page * src.v_page_rows + pos % PAGE_SIZE
-                        kr, kc = _tma_coords(k_row, w.kv_head, src.k_head_off, geo.K_HEAD_ROWS)
-                        vr, vc = _tma_coords(v_row, w.kv_head, src.v_head_off, geo.V_HEAD_ROWS)
-                        k_dst = ring.k.index(s).slice(p * PAGE_BOX, PAGE_BOX)
-                        v_dst = ring.v.index(s).slice(p * PAGE_BOX, PAGE_BOX)
-                        tma.async_copy_global_to_shared(k_desc, [kr, kc], ring.full.index(s), k_dst)
-                        if DQ1 > 0:
-                            k1_dst = ring.k1.index(s).slice(p * PAGE_BOX, PAGE_BOX)
-                            tma.async_copy_global_to_shared(k1_desc, [kr, kc + DQ0], ring.full.index(s), k1_dst)
-                        if geo.DVO > 128:  # (V's TMA boxes are 128 columns wide: side by side)
-                            for h in gl.static_range(geo.DVO // 128):
-                                v_half = v_dst.slice(h * 128, 128, dim=1)
-                                tma.async_copy_global_to_shared(v_desc, [vr, vc + h * 128], ring.full.index(s), v_half)
-                        else:
-                            tma.async_copy_global_to_shared(v_desc, [vr, vc], ring.full.index(s), v_dst)
-                        if geo.DV1 > 0:
-                            v1_dst = ring.v1.index(s).slice(p * PAGE_BOX, PAGE_BOX)
-                            tma.async_copy_global_to_shared(v1_desc, [vr, vc + geo.DV0], ring.full.index(s), v1_dst)
+                    _tma_tile(
+                        ring.k.index(s),
+                        ring.k1.index(s),
+                        ring.v.index(s),
+                        ring.v1.index(s),
+                        ring.full.index(s),
+                        src,
+                        w,
+                        t,
+                        k_desc,
+                        k1_desc,
+                        v_desc,
+                        v1_desc,
+                        geo,
+                    )
                 else:
                     src.gather(ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo)
                     async_copy.commit_group()
@@ -610,9 +767,26 @@ class OutSink:
     qk_scale: gl.tensor  # softmax scale x log2(e)
     softcap: gl.tensor  # SOFTCAP: the cap c
     SINKS: gl.tensor  # SINKS: float32 (Hq,) sink logits
+    K_SCALE: gl.tensor  # K_SCALED: float32 (1,)
+    V_SCALE: gl.tensor  # V_SCALED: float32 (1,)
 
     @gluon.constexpr_function
-    def __init__(self, Q, stride_qt, stride_qh, Out, LSE, stride_ot, stride_oh, num_heads_q, qk_scale, softcap, SINKS):
+    def __init__(
+        self,
+        Q,
+        stride_qt,
+        stride_qh,
+        Out,
+        LSE,
+        stride_ot,
+        stride_oh,
+        num_heads_q,
+        qk_scale,
+        softcap,
+        SINKS,
+        K_SCALE,
+        V_SCALE,
+    ):
         self.Q = Q
         self.stride_qt = stride_qt
         self.stride_qh = stride_qh
@@ -624,6 +798,8 @@ class OutSink:
         self.qk_scale = qk_scale
         self.softcap = softcap
         self.SINKS = SINKS
+        self.K_SCALE = K_SCALE
+        self.V_SCALE = V_SCALE
 
 
 @gluon.jit
@@ -649,17 +825,19 @@ def _softmax(s, m_i, l_i, qk_scale, start_n, diag, kv_len, window, cap_out, MASK
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - m_use[:, None])
-    elif MASKED:
-        # scale first, then mask: a masked -inf must never meet a zero scale
-        cols = start_n + gl.arange(0, s.shape[1], gl.SliceLayout(0, s.type.layout))
+    elif MASKED or geo.K_SCALED:
+        # scale first, then mask: a masked -inf must never meet a zero scale (K_SCALED: the scale's
+        # sign is known only on the device, so max(s) * scale may not be max(s * scale))
         s = s * qk_scale
-        if geo.CAUSAL:
-            visible = cols[None, :] <= diag[:, None]
-        else:
-            visible = (cols < kv_len)[None, :]
-        if geo.WINDOW:
-            visible = visible & (cols[None, :] >= (diag - window)[:, None])
-        s = gl.where(visible, s, float("-inf"))
+        if MASKED:
+            cols = start_n + gl.arange(0, s.shape[1], gl.SliceLayout(0, s.type.layout))
+            if geo.CAUSAL:
+                visible = cols[None, :] <= diag[:, None]
+            else:
+                visible = (cols < kv_len)[None, :]
+            if geo.WINDOW:
+                visible = visible & (cols[None, :] >= (diag - window)[:, None])
+            s = gl.where(visible, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet
         p = gl.exp2(s - m_use[:, None])
@@ -713,6 +891,8 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
     dtype: gl.constexpr = slots.q.dtype
     Out = out.Out
     qk_scale = out.qk_scale
+    if geo.K_SCALED:
+        qk_scale = qk_scale * gl.load(out.K_SCALE)
     if geo.SOFTCAP:  # s = cap * tanh(scale * q.k / cap), in log2 units: cap_out * tanh(q.k * qk_scale / cap_out)
         cap_out = out.softcap * 1.4426950408889634
         qk_scale = qk_scale / cap_out
@@ -886,6 +1066,8 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
             has_key = l_i > 0.0
             inv_l = gl.where(has_key, 1.0 / gl.where(has_key, l_i, 1.0), 0.0)
             lse2 = gl.where(has_key, m_i + gl.log2(gl.where(has_key, l_i, 1.0)), float("-inf"))
+        if geo.V_SCALED:
+            inv_l = inv_l * gl.load(out.V_SCALE)
         o = (acc * gl.convert_layout(inv_l, gl.SliceLayout(1, O_L))[:, None]).to(Out.dtype.element_ty)
         if geo.O_STAGE == 1:
             # through this warpgroup's Q slot (its last QK GEMM is done) into rows of 16-byte
@@ -926,9 +1108,15 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
         item = sched.take(r)
 
 
+@gluon.constexpr_function
+def _layout8(cols):
+    """Shared layout of 8-bit tiles of ``cols`` columns (the host's TMA descriptors use the same)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=min(cols, 128), element_bitwidth=8, rank=2)
+
+
 @gluon.jit(
     do_not_specialize=["meta_stride", "batch_size", "num_m_blocks", "num_pages", "chunk_pairs", "dynamic", "window"],
-    do_not_specialize_on_alignment=["BT", "LSE", "COUNTER", "SINKS"],
+    do_not_specialize_on_alignment=["BT", "LSE", "COUNTER", "SINKS", "K_SCALE", "V_SCALE"],
 )
 def attention_kernel(
     Q,
@@ -970,6 +1158,8 @@ def attention_kernel(
     window,
     softcap,
     SINKS,
+    K_SCALE,
+    V_SCALE,
     GROUP: gl.constexpr,
     PAGE_SIZE: gl.constexpr,
     DQK: gl.constexpr,
@@ -991,6 +1181,9 @@ def attention_kernel(
     WINDOW: gl.constexpr,
     SOFTCAP: gl.constexpr,
     HAS_SINKS: gl.constexpr,
+    KV8_STAGES: gl.constexpr,
+    K_SCALED: gl.constexpr,
+    V_SCALED: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each; the kernel's own
@@ -1016,6 +1209,10 @@ def attention_kernel(
         WINDOW,
         SOFTCAP,
         HAS_SINKS,
+        KV8_STAGES > 0,
+        KV8_STAGES,
+        K_SCALED,
+        V_SCALED,
     )
     dtype: gl.constexpr = Q.dtype.element_ty
     SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -1043,8 +1240,29 @@ def attention_kernel(
     kv_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(kv_full.index(i), count=1 if USE_TMA else LOAD_WARPS * 32)
+        mbarrier.init(kv_full.index(i), count=1 if (USE_TMA or geo.KV8) else LOAD_WARPS * 32)
         mbarrier.init(kv_empty.index(i), count=NC)
+    if geo.KV8:  # (8-bit tiles in the copies' own layouts: rows of 32, 64 or >= 128 bytes)
+        kv_dt: gl.constexpr = K.dtype.element_ty
+        st_k = gl.allocate_shared_memory(kv_dt, [KV8_STAGES, BLOCK_N, geo.DQ0], _layout8(geo.DQ0))
+        st_v = gl.allocate_shared_memory(kv_dt, [KV8_STAGES, BLOCK_N, geo.DV0], _layout8(geo.DV0))
+        if geo.DQ1 > 0:
+            st_k1 = gl.allocate_shared_memory(kv_dt, [KV8_STAGES, BLOCK_N, geo.DQ1], _layout8(geo.DQ1))
+        else:
+            st_k1 = st_k
+        if geo.DV1 > 0:
+            st_v1 = gl.allocate_shared_memory(kv_dt, [KV8_STAGES, BLOCK_N, geo.DV1], _layout8(geo.DV1))
+        else:
+            st_v1 = st_v
+        st_full = gl.allocate_shared_memory(gl.int64, [KV8_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(KV8_STAGES):
+            mbarrier.init(st_full.index(i), count=1 if USE_TMA else LOAD_WARPS * 32)
+    else:  # (unused)
+        st_k = k_smem
+        st_k1 = k_smem
+        st_v = v_smem
+        st_v1 = v_smem
+        st_full = kv_full
     # dynamic != 0: items come off the work counter; the load warps hand them to the consumers
     # through a ring of item ids (ITEM_RING slots, with full and empty barriers)
     item_ids = gl.allocate_shared_memory(gl.int32, [ITEM_RING, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -1085,6 +1303,7 @@ def attention_kernel(
         gl.to_tensor(window),
     )
     ring = KVRing(k_smem, k1_smem, v_smem, v1_smem, kv_full, kv_empty)
+    stg = Staging(st_k, st_k1, st_v, st_v1, st_full)
     slots = QSlots(q_smem, q1_smem, q_full, q_empty)
     src = KVSource(
         K,
@@ -1113,6 +1332,8 @@ def attention_kernel(
         gl.to_tensor(sm_scale_log2),
         gl.to_tensor(softcap),
         SINKS,
+        K_SCALE,
+        V_SCALE,
     )
     R0: gl.constexpr = 0
     R1: gl.constexpr = geo.SUB_M
@@ -1122,7 +1343,7 @@ def attention_kernel(
             [
                 (_consumer_partition, (sched, ring, slots, out, R0, geo)),
                 (_consumer_partition, (sched, ring, slots, out, R1, geo)),
-                (_load_partition, (sched, ring, slots, src, k_desc, k1_desc, v_desc, v1_desc, q_desc, geo)),
+                (_load_partition, (sched, ring, stg, slots, src, k_desc, k1_desc, v_desc, v1_desc, q_desc, geo)),
             ],
             [4, LOAD_WARPS],
             [CONS_REGS, LOAD_REGS],
@@ -1133,7 +1354,7 @@ def attention_kernel(
                 (_consumer_partition, (sched, ring, slots, out, R0, geo)),
                 (_consumer_partition, (sched, ring, slots, out, R1, geo)),
                 (_consumer_partition, (sched, ring, slots, out, R2, geo)),
-                (_load_partition, (sched, ring, slots, src, k_desc, k1_desc, v_desc, v1_desc, q_desc, geo)),
+                (_load_partition, (sched, ring, stg, slots, src, k_desc, k1_desc, v_desc, v1_desc, q_desc, geo)),
             ],
             [4, 4, LOAD_WARPS],
             [CONS_REGS, CONS_REGS, LOAD_REGS],
