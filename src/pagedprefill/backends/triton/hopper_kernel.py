@@ -393,13 +393,15 @@ class QSlots:
     q1: gl.shared_memory_descriptor  # [NC, 64, DQ1] (DQ1 > 0), else q
     full: gl.shared_memory_descriptor
     empty: gl.shared_memory_descriptor
+    f: gl.shared_memory_descriptor  # KV8: [4 * 64] float32, each row's power of two (see _prep_q)
 
     @gluon.constexpr_function
-    def __init__(self, q, q1, full, empty):
+    def __init__(self, q, q1, full, empty, f):
         self.q = q
         self.q1 = q1
         self.full = full
         self.empty = empty
+        self.f = f
 
 
 @aggregate
@@ -808,11 +810,13 @@ def _tanh(x):
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, qk_scale, start_n, diag, kv_len, window, cap_out, MASKED: gl.constexpr, geo: Geometry):
-    """Online-softmax step on one S tile: returns (p, m, l, alpha), p unnormalised (fp32).
-    SOFTCAP: the logit is cap_out * tanh(s * qk_scale) (qk_scale then folds 1 / cap in)."""
+def _softmax(s, m_i, l_i, qk_e, qk_r, start_n, diag, kv_len, window, cap_out, MASKED: gl.constexpr, geo: Geometry):
+    """Online-softmax step on one S tile: returns (p, m, l, alpha), p unnormalised (fp32). The scale is
+    ``qk_e`` to multiply S elementwise and ``qk_r`` per row (KV8: [SUB_M, 1] and [SUB_M] tensors, each
+    row's own; else one scalar twice). SOFTCAP: the logit is cap_out * tanh(s * qk) (qk then folds
+    1 / cap in)."""
     if geo.SOFTCAP:
-        s = _tanh(s * qk_scale) * cap_out  # (log2 units, scaled and capped)
+        s = _tanh(s * qk_e) * cap_out  # (log2 units, scaled and capped)
         if MASKED:
             cols = start_n + gl.arange(0, s.shape[1], gl.SliceLayout(0, s.type.layout))
             if geo.CAUSAL:
@@ -825,10 +829,11 @@ def _softmax(s, m_i, l_i, qk_scale, start_n, diag, kv_len, window, cap_out, MASK
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - m_use[:, None])
-    elif MASKED or geo.K_SCALED:
+    elif MASKED or (geo.K_SCALED and not geo.KV8):
         # scale first, then mask: a masked -inf must never meet a zero scale (K_SCALED: the scale's
-        # sign is known only on the device, so max(s) * scale may not be max(s * scale))
-        s = s * qk_scale
+        # sign is known only on the device, so max(s) * scale may not be max(s * scale); KV8 moves
+        # the sign into Q)
+        s = s * qk_e
         if MASKED:
             cols = start_n + gl.arange(0, s.shape[1], gl.SliceLayout(0, s.type.layout))
             if geo.CAUSAL:
@@ -842,10 +847,10 @@ def _softmax(s, m_i, l_i, qk_scale, start_n, diag, kv_len, window, cap_out, MASK
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet
         p = gl.exp2(s - m_use[:, None])
     else:
-        # every key visible to every row and qk_scale > 0: max(s) * scale = max(s * scale)
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        # every key visible to every row and qk >= 0: max(s) * qk = max(s * qk)
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_r)
         m_use = m_new
-        p = gl.exp2(s * qk_scale - m_use[:, None])
+        p = gl.exp2(s * qk_e - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_i, alpha
@@ -876,6 +881,44 @@ def _q_cols_async(
     async_copy.async_copy_global_to_shared(buf, out.Q + off[:, None] + d[None, :], mask=(tok < w.q_len)[:, None])
 
 
+@gluon.constexpr_function
+def _prep_rows(dq0, dq1):
+    """Rows of Q converted at a time: 16, or as many as the narrower part's layout covers."""
+    narrow = min(dq0, dq1) if dq1 else dq0
+    return max(16, 4 * (32 // (narrow // 8)))
+
+
+@gluon.jit
+def _prep_q(q_sub, q1_sub, f_buf, sign, geo: Geometry):
+    """KV8: this warpgroup's Q rows, in q's 16-bit dtype, -> float16 in place (the GEMMs' dtype: the
+    8-bit K/V widen to it in one instruction per pair), each row times ``sign`` and a power of two
+    2^k that puts its largest magnitude in [2^14, 2^15): exact, since bf16's 8-bit significands fit
+    fp16's 11 wherever fp16 is normal, and a row's entries under 2^-28 of its largest are all fp16
+    loses. Each row's 2^-k goes to f_buf."""
+    DQ0: gl.constexpr = geo.DQ0
+    DQ1: gl.constexpr = geo.DQ1
+    RCH: gl.constexpr = _prep_rows(DQ0, DQ1)
+    L0: gl.constexpr = _chunk_layout(DQ0, 8, 4)
+    h0 = q_sub._reinterpret(gl.float16, q_sub.shape, q_sub.layout)
+    if DQ1 > 0:
+        L1: gl.constexpr = _chunk_layout(DQ1, 8, 4)
+        h1 = q1_sub._reinterpret(gl.float16, q1_sub.shape, q1_sub.layout)
+    for r in gl.static_range(geo.SUB_M // RCH):
+        x = q_sub.slice(r * RCH, RCH).load(L0).to(gl.float32)
+        amax = gl.max(gl.abs(x), 1)
+        if DQ1 > 0:
+            x1 = q1_sub.slice(r * RCH, RCH).load(L1).to(gl.float32)
+            amax = gl.maximum(amax, gl.convert_layout(gl.max(gl.abs(x1), 1), gl.SliceLayout(1, L0)))
+        e = ((amax.to(gl.int32, bitcast=True) >> 23) & 255) - 127  # floor(log2 amax) (0: -127)
+        k = gl.minimum(gl.maximum(14 - e, -126), 126)
+        up = ((k + 127) << 23).to(gl.float32, bitcast=True) * sign  # (+-2^k)
+        f_buf.slice(r * RCH, RCH).store(((127 - k) << 23).to(gl.float32, bitcast=True))
+        h0.slice(r * RCH, RCH).store((x * up[:, None]).to(gl.float16))
+        if DQ1 > 0:
+            up1 = gl.convert_layout(up, gl.SliceLayout(1, L1))
+            h1.slice(r * RCH, RCH).store((x1 * up1[:, None]).to(gl.float16))
+
+
 @gluon.jit
 def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSink, R0: gl.constexpr, geo: Geometry):
     """One consumer warpgroup: rows [row0 + R0, row0 + R0 + SUB_M) of each work item's block."""
@@ -888,11 +931,16 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
     BLOCK_N: gl.constexpr = geo.BLOCK_N
     STAGES: gl.constexpr = geo.STAGES
     CAUSAL: gl.constexpr = geo.CAUSAL
-    dtype: gl.constexpr = slots.q.dtype
+    dtype: gl.constexpr = ring.k.dtype  # (the GEMMs' inputs: q's dtype, or float16 for 8-bit K/V)
     Out = out.Out
     qk_scale = out.qk_scale
+    sign = 1.0
     if geo.K_SCALED:
-        qk_scale = qk_scale * gl.load(out.K_SCALE)
+        k_scale = gl.load(out.K_SCALE)
+        if geo.KV8:  # (its sign goes into Q: the scale stays >= 0)
+            sign = gl.where(k_scale < 0, -1.0, 1.0)
+            k_scale = gl.abs(k_scale)
+        qk_scale = qk_scale * k_scale
     if geo.SOFTCAP:  # s = cap * tanh(scale * q.k / cap), in log2 units: cap_out * tanh(q.k * qk_scale / cap_out)
         cap_out = out.softcap * 1.4426950408889634
         qk_scale = qk_scale / cap_out
@@ -912,6 +960,17 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
         q1_sub = slots.q1.index(R0 // SUB_M)
     else:
         q1_sub = q_sub
+    if geo.KV8:  # (the GEMMs read the slot as float16, see _prep_q)
+        qg_sub = q_sub._reinterpret(gl.float16, q_sub.shape, q_sub.layout)
+        qg1_sub = q1_sub._reinterpret(gl.float16, q1_sub.shape, q1_sub.layout)
+        f_buf = slots.f.slice(R0, SUB_M)
+        qk_r = gl.full([SUB_M], 1.0, gl.float32, gl.SliceLayout(1, S_L)) * qk_scale  # (set per item)
+        qk_e = qk_r[:, None]
+    else:
+        qg_sub = q_sub
+        qg1_sub = q1_sub
+        qk_e = qk_scale
+        qk_r = qk_scale
     c = gl.program_id(0) * 0  # key tiles this program has consumed so far
     r = gl.program_id(0) * 0  # rounds (items) so far
     item = sched.take(r)
@@ -931,6 +990,12 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
             async_copy.wait_group(0)
             fence_async_shared()
             gl.thread_barrier()
+        if geo.KV8:
+            _prep_q(q_sub, q1_sub, f_buf, sign, geo)
+            fence_async_shared()
+            gl.thread_barrier()
+            qk_r = qk_scale * f_buf.load(gl.SliceLayout(1, S_L))
+            qk_e = qk_r[:, None]
         rows_s = w.row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, S_L))
         tok_s = rows_s // GROUP
         diag = tok_s + (w.kv_len - w.q_len)
@@ -971,7 +1036,7 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
             s0 = (c + t_own - t_lo) % STAGES
             mbarrier.wait(ring.full.index(s0), ((c + t_own - t_lo) // STAGES) & 1)
             fence_async_shared()
-            s_tok = _qk_async(q_sub, q1_sub, ring.k.index(s0), ring.k1.index(s0), s_zero, DQ1)
+            s_tok = _qk_async(qg_sub, qg1_sub, ring.k.index(s0), ring.k1.index(s0), s_zero, DQ1)
             sc = warpgroup_mma_wait(0, deps=[s_tok])
             if Q_EARLY:
                 if n_walk == t_own + 1:
@@ -981,11 +1046,11 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
                 unmasked = unmasked & (t_own * BLOCK_N >= head_own)
             if unmasked:
                 p, m_i, l_i, alpha0 = _softmax(
-                    sc, m_i, l_i, qk_scale, t_own * BLOCK_N, diag, w.kv_len, sched.window, cap_out, False, geo
+                    sc, m_i, l_i, qk_e, qk_r, t_own * BLOCK_N, diag, w.kv_len, sched.window, cap_out, False, geo
                 )
             else:
                 p, m_i, l_i, alpha0 = _softmax(
-                    sc, m_i, l_i, qk_scale, t_own * BLOCK_N, diag, w.kv_len, sched.window, cap_out, True, geo
+                    sc, m_i, l_i, qk_e, qk_r, t_own * BLOCK_N, diag, w.kv_len, sched.window, cap_out, True, geo
                 )
             p16 = p.to(dtype)
             p_op = gl.convert_layout(p16, P_L)
@@ -999,7 +1064,7 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
             # S_t = Q K_t^T in flight while O is rescaled for tile t-1 (off the path from the PV
             # GEMM's wait to the next PV GEMM); then O += P_{t-1} V_{t-1} joins it, and softmax(S_t)
             # overlaps the PV GEMM
-            s_tok = _qk_async(q_sub, q1_sub, ring.k.index(s), ring.k1.index(s), s_zero, DQ1)
+            s_tok = _qk_async(qg_sub, qg1_sub, ring.k.index(s), ring.k1.index(s), s_zero, DQ1)
             if t > t_own + 1:  # (the first tile left O zero)
                 acc = acc * alpha[:, None]
                 if DV1 > 0:
@@ -1018,12 +1083,12 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
                 unmasked = unmasked & (t * BLOCK_N >= head_own)
             if unmasked:
                 p, m_i, l_i, alpha_s = _softmax(
-                    sc, m_i, l_i, qk_scale, t * BLOCK_N, diag, w.kv_len, sched.window, cap_out, False, geo
+                    sc, m_i, l_i, qk_e, qk_r, t * BLOCK_N, diag, w.kv_len, sched.window, cap_out, False, geo
                 )
                 alpha = gl.convert_layout(alpha_s, gl.SliceLayout(1, O_L))
             else:
                 p, m_i, l_i, alpha_s = _softmax(
-                    sc, m_i, l_i, qk_scale, t * BLOCK_N, diag, w.kv_len, sched.window, cap_out, True, geo
+                    sc, m_i, l_i, qk_e, qk_r, t * BLOCK_N, diag, w.kv_len, sched.window, cap_out, True, geo
                 )
                 alpha = gl.convert_layout(alpha_s, gl.SliceLayout(1, O_L))
             if DV1 > 0:
@@ -1224,17 +1289,19 @@ def attention_kernel(
         swizzle_byte_width=64 if geo.DV1 == 32 else 128, element_bitwidth=16, rank=2
     )
 
+    # the GEMMs' inputs: q's dtype; with 8-bit K/V float16 (see _prep_q)
+    cdt: gl.constexpr = gl.float16 if geo.KV8 else dtype
     q_smem = gl.allocate_shared_memory(dtype, [NC, geo.SUB_M, geo.DQ0], SMEM)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, geo.DQ0], SMEM)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, geo.DV0], SMEM)
+    k_smem = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, geo.DQ0], SMEM)
+    v_smem = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, geo.DV0], SMEM)
     if geo.DQ1 > 0:
         q1_smem = gl.allocate_shared_memory(dtype, [NC, geo.SUB_M, geo.DQ1], SMEM1)
-        k1_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, geo.DQ1], SMEM1)
+        k1_smem = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, geo.DQ1], SMEM1)
     else:  # (unused)
         q1_smem = q_smem
         k1_smem = k_smem
     if geo.DV1 > 0:
-        v1_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, geo.DV1], SMEMV1)
+        v1_smem = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, geo.DV1], SMEMV1)
     else:  # (unused)
         v1_smem = v_smem
     kv_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -1257,12 +1324,15 @@ def attention_kernel(
         st_full = gl.allocate_shared_memory(gl.int64, [KV8_STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(KV8_STAGES):
             mbarrier.init(st_full.index(i), count=1 if USE_TMA else LOAD_WARPS * 32)
+        # (a 1-D buffer of a power of two elements, sliced per consumer)
+        q_f = gl.allocate_shared_memory(gl.float32, [4 * geo.SUB_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     else:  # (unused)
         st_k = k_smem
         st_k1 = k_smem
         st_v = v_smem
         st_v1 = v_smem
         st_full = kv_full
+        q_f = kv_full
     # dynamic != 0: items come off the work counter; the load warps hand them to the consumers
     # through a ring of item ids (ITEM_RING slots, with full and empty barriers)
     item_ids = gl.allocate_shared_memory(gl.int32, [ITEM_RING, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -1304,7 +1374,7 @@ def attention_kernel(
     )
     ring = KVRing(k_smem, k1_smem, v_smem, v1_smem, kv_full, kv_empty)
     stg = Staging(st_k, st_k1, st_v, st_v1, st_full)
-    slots = QSlots(q_smem, q1_smem, q_full, q_empty)
+    slots = QSlots(q_smem, q1_smem, q_full, q_empty, q_f)
     src = KVSource(
         K,
         V,
