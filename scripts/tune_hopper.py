@@ -2,46 +2,58 @@
 
     python scripts/tune_hopper.py d256_b8_q2k "BLOCK_N=32,stages=4" "consumer_regs=232,load_regs=40"
 
+A workload name with the suffix ``:fp8kv`` runs its data with K/V quantized to e4m3 (q unchanged,
+scales 0.5); ``:bf16`` runs an fp8 workload's 16-bit data.
+
 Each knob set is ``name=value`` pairs (``tuning.override("hopper", ...)``); the first row is the
-default config. Times: CUDA events around one call, L2 flushed before it, median of 30 runs; the
-queue is not pre-loaded, so on calls shorter than their host time that time shows too (compare rows
-of one run; the eager table of ``pagedprefill-bench`` is the measurement of record).
+default config. Times: the eager benchmark's timer (CUDA events around one call, L2 flushed before
+it, the queue pre-loaded so that host time does not show; median over ~100 ms), ``--rounds`` times
+in turn over the knob sets so that drift shows (the eager table of ``pagedprefill-bench`` is the
+measurement of record).
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-import bench_variants as bv  # noqa: E402
-
-import pagedprefill  # noqa: E402
-from pagedprefill import tuning  # noqa: E402
-from pagedprefill import workloads as wl  # noqa: E402
+import pagedprefill
+from pagedprefill import tuning
+from pagedprefill import workloads as wl
+from pagedprefill.bench import timing
 
 
 def main() -> int:
-    names = sys.argv[1].split(",")
-    sets = [{}] + [{k: int(v) for k, v in (kv.split("=") for kv in s.split(","))} for s in sys.argv[2:]]
+    argv = sys.argv[1:]
+    rounds = 1
+    if argv and argv[0].startswith("--rounds="):
+        rounds = int(argv.pop(0).split("=")[1])
+    names = argv[0].split(",")
+    sets = [{}] + [{k: int(v) for k, v in (kv.split("=") for kv in s.split(","))} for s in argv[1:]]
+    cfg = timing.TimingConfig()
     dev = torch.device("cuda")
     for name in names:
-        w = wl.get_workload(name)
+        base, _, kind = name.partition(":")
+        w = wl.get_workload(base)
         kw = wl.build_case(w, dev, dtype=torch.bfloat16, seed=0)
+        if kind in ("fp8kv", "bf16"):
+            kw = wl.build_case(w, dev, dtype=torch.bfloat16, seed=0, fp8=False)
+            kw = wl.quantize_case(kw, "fp8_kv") if kind == "fp8kv" else kw
+        elif kind:
+            raise SystemExit(f"unknown workload suffix {kind!r} (expected fp8kv or bf16)")
         kw.pop("lse", None)
         kw["return_lse"] = False
         tf = wl.flops(w) / 1e9
         ref = None
-        for backend, knobs in [("cudnn", {})] + [("triton", s) for s in sets]:
+        for backend, knobs in [("cudnn", {})] + [("triton", s) for _ in range(rounds) for s in sets]:
             with tuning.override("hopper", **knobs):
                 try:
                     call = lambda b=backend, kw=kw: pagedprefill.cudnn_batch_prefill_with_kv_cache(**kw, backend=b)  # noqa: E731
                     out = call()[0].float()
                     ref = out if ref is None else ref
                     err = (out - ref).abs().max().item()
-                    ms = bv.timed(call)
+                    ms, _, _ = timing.time_gpu(call, cfg, lambda _msg: None)
                     line = f"{name:22s} {backend:6s} {str(knobs):44s} {tf / ms:7.1f} TF/s {ms:8.3f} ms"
                     print(f"{line}  max|d| {err:.3g}")
                 except Exception as e:
