@@ -28,10 +28,11 @@ BF16, F16, E4M3 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
 def compare(case, backend: str, knobs: dict | None, atol: float) -> None:
     """Run the case on ``backend`` and check it against the float64 oracle (which also checks that
     rows outside every sequence kept their poison)."""
-    with tuning.override("triton", **(knobs or {})):
-        out, lse = pagedprefill.cudnn_batch_prefill_with_kv_cache(**case.kwargs, backend=backend)
-    torch.cuda.synchronize()
-    check(case, out, lse, atol=atol, lse_atol=max(atol, 2e-2))
+    for _ in range(2):  # (the second call: cuDNN's raw execution, Triton's bound launch)
+        with tuning.override("triton", **(knobs or {})):
+            out, lse = pagedprefill.cudnn_batch_prefill_with_kv_cache(**case.kwargs, backend=backend)
+        torch.cuda.synchronize()
+        check(case, out, lse, atol=atol, lse_atol=max(atol, 2e-2))
 
 
 def main() -> int:

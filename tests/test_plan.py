@@ -181,12 +181,20 @@ def test_gpu_plan_captured_in_a_cuda_graph_follows_device_lengths():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cudnn"])
 @pytest.mark.parametrize("page_size", [16, 0])
 @pytest.mark.parametrize("dqk", [128, 256])
-def test_gpu_plan_run_layers_with_their_own_tensors(page_size, dqk):
-    """Each layer's q, K, V, out and lse at new addresses (the bound launch keeps descriptors per base
-    address), the first layer's tensors again, and a layer whose tensors reuse freed addresses with
-    new contents: each run against the oracle."""
+def test_gpu_plan_run_layers_with_their_own_tensors(page_size, dqk, backend, monkeypatch):
+    """Each layer's q, K, V, out and lse at new addresses (Triton's bound launch keeps descriptors per
+    base address; cuDNN's raw execution takes addresses per call), the first layer's tensors again,
+    and a layer whose tensors reuse freed addresses with new contents: each run against the oracle.
+    On cuDNN every run after the first goes through the raw execution."""
+    from pagedprefill.backends.cudnn import graph as cg
+
+    raw_calls = []
+    if backend == "cudnn":
+        real = cg.RawExecute.__call__
+        monkeypatch.setattr(cg.RawExecute, "__call__", lambda self, *a: raw_calls.append(1) or real(self, *a))
     case = make_case(
         21,
         lens_q=[70, 1, 200],
@@ -198,13 +206,17 @@ def test_gpu_plan_run_layers_with_their_own_tensors(page_size, dqk):
         dtype=BF16,
         device="cuda",
     )
-    p = plan_of(case, "triton")
+    p = plan_of(case, backend)
     kw = case.kwargs
     names = ("q", "k_cache", "v_cache", "out", "lse")
 
-    def new_layer(seed):
+    def new_layer(seed):  # (in the first layer's strides: the same layout, so the same cuDNN graph)
         g = torch.Generator(device="cuda").manual_seed(seed)
-        return {n: torch.randn(kw[n].shape, generator=g, device="cuda").to(kw[n].dtype) for n in names}
+        out = {}
+        for n in names:
+            x = torch.empty_strided(kw[n].shape, kw[n].stride(), dtype=kw[n].dtype, device="cuda")
+            out[n] = x.copy_(torch.randn(kw[n].shape, generator=g, device="cuda"))
+        return out
 
     first = {n: kw[n] for n in names}
     layers = [first, new_layer(1), first, None]
@@ -219,3 +231,5 @@ def test_gpu_plan_run_layers_with_their_own_tensors(page_size, dqk):
         poison(kw["lse"])
         out, lse = p.run(kw["q"], kw["k_cache"], kw["v_cache"], kw["out"], kw["lse"])
         check(case, out, lse, atol=atol_for(BF16), lse_atol=2e-2)
+    if backend == "cudnn":
+        assert len(raw_calls) >= len(layers) - 1  # (all of them when an earlier test ran this graph)

@@ -66,6 +66,9 @@ def plan(batch: PrefillBatch, workspace_bytes: int | None) -> CudnnPlan:
     return CudnnPlan(batch)
 
 
+_CALL_OPERANDS = frozenset(("q", "k", "v", "o", "stats", "sinks", "descale_q", "descale_k", "descale_v"))
+
+
 @dataclass
 class _Views:
     """A run's regions of the scratch."""
@@ -74,6 +77,7 @@ class _Views:
     table: Tensor | None  # (Bb, table_width) int32
     floats: Tensor | None  # (8,) float32 (fp8 only)
     workspace: Tensor  # uint8 cuDNN workspace
+    fixed: dict  # operand name -> address of the operands that live in the scratch (filled once)
 
 
 class CudnnPlan:
@@ -117,7 +121,7 @@ class CudnnPlan:
         if spec.fp8:
             floats = i32[lay.floats // 4 : lay.floats // 4 + 8].view(torch.float32)
         ws = scratch[base + lay.workspace : base + lay.workspace + lay.workspace_size]
-        views = _Views(ints, table, floats, ws)
+        views = _Views(ints, table, floats, ws, {})
         self._views = (ptr, views)
         self._static = None
         return views
@@ -149,14 +153,44 @@ class CudnnPlan:
             ops.update(descale_s=f[0], scale_s=f[1], scale_o=f[2], amax_s=f[3], amax_o=f[4])
         return ops
 
+    def _addresses(self, t: CallTensors, views: _Views) -> dict[str, int]:
+        """Operand name -> address: the scratch's operands once per views, the call's every run."""
+        if not views.fixed:
+            views.fixed.update(
+                (n, x.data_ptr()) for n, x in self._operands(t, views).items() if n not in _CALL_OPERANDS
+            )
+        ptrs = dict(views.fixed)
+        ptrs.update(q=t.q.data_ptr(), k=t.k.data_ptr(), v=t.v.data_ptr(), o=t.out.data_ptr())
+        spec = self.graph.spec
+        if spec.lse:
+            ptrs["stats"] = t.lse.data_ptr()
+        if spec.sinks:
+            ptrs["sinks"] = t.sinks.data_ptr()
+        if spec.fp8:
+            ptrs.update(descale_q=t.q_scale.data_ptr(), descale_k=t.k_scale.data_ptr(), descale_v=t.v_scale.data_ptr())
+        return ptrs
+
     def execute(self, t: CallTensors, views: _Views) -> None:
-        """Bind every operand and run the built graph on torch's current stream."""
+        """Bind every operand and run the built graph on torch's current stream: after the graph's first
+        execution through the frontend's public call, by :class:`graph.RawExecute` where it applies."""
         plan = self.graph
         if plan.spec.fp8:
             views.floats[:3].copy_(plan.consts.fp8)
         dev = graph.device_index(self.batch.device)
         h = graph.handle(dev)
         graph.cudnn_module().set_stream(h, graph.current_stream(dev))
+        if plan.raw:
+            try:
+                plan.raw(self._addresses(t, views), views.workspace.data_ptr(), h)
+                return
+            except TypeError:  # (the internals changed shape: the public call from here on)
+                plan.raw = False
+        self._execute_public(t, views, h)
+        if plan.raw is None:
+            plan.raw = graph.RawExecute.of(plan) or False
+
+    def _execute_public(self, t: CallTensors, views: _Views, h: Any) -> None:
+        plan = self.graph
         ops = self._operands(t, views)
         if plan.binding == "tensors":
             try:

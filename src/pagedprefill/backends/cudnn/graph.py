@@ -27,6 +27,7 @@ stream capture.
 
 from __future__ import annotations
 
+import array
 import os
 import threading
 import time
@@ -348,6 +349,65 @@ class Plan:
     consts: Any = field(default=None, repr=False)  # prepare.Consts, made once (before any capture)
     binding: str = "tensors"  # how operands reach graph.execute: "tensors" | "addresses"
     binding_error: str | None = None  # why "tensors" was given up, if it was
+    raw: Any = None  # RawExecute after the first execute (False: not available for this graph)
+
+
+# the frontend internals RawExecute relies on, as read in nvidia-cudnn-frontend 1.32 (_pygraph.py):
+# the backend path of Graph._execute hands C++ an array of pointers in the ascending-uid order of
+# _variant_pack_uids() through _lowered_graph._execute_with_raw_ptrs
+RAW_FRONTEND = "1.32."
+
+
+class RawExecute:
+    """A built graph's execution through the frontend's own last step: an array of operand addresses
+    in the graph's variant-pack order, handed to its C++ side. The frontend's per-call work above it
+    (the tensor dict, uid lookups, the operand descriptions it re-derives each call) is skipped, since
+    a plan's operands keep their declared shapes and only their addresses change.
+
+    ``names``: the operand name of each slot, in order; ``bound``: addresses of slots the graph binds
+    itself (by slot)."""
+
+    __slots__ = ("fn", "names", "bound", "n", "index")
+
+    def __init__(self, fn: Any, names: tuple, bound: dict, index: int):
+        self.fn, self.names, self.bound, self.n, self.index = fn, names, bound, len(names), index
+
+    @classmethod
+    def of(cls, plan: Plan) -> RawExecute | None:
+        """The raw execution of ``plan``'s built graph, or None where this frontend, engine or graph
+        does not take it (the public execute serves those)."""
+        g = plan.graph
+        if not getattr(cudnn_module(), "__version__", "").startswith(RAW_FRONTEND):
+            return None
+        try:
+            if g.selected_engine is not None or not g._is_built:  # (a python engine: another path)
+                return None
+            order = g._variant_pack_uids()
+            lowered = g._lowered_graph
+            if not order or lowered is None:
+                return None
+            index = g._materialize_backend_plan(g._plan_index).cpp_index if g._plans else None
+            name_of = {tn.get_uid(): n for n, tn in plan.tensors.items()}
+            names, bound = [], {}
+            for i, uid in enumerate(order):
+                if uid in name_of:
+                    names.append(name_of[uid])
+                elif uid in g._data_bindings:
+                    data = g._data_bindings[uid]
+                    bound[i] = data if type(data) is int else data.data_ptr()
+                    names.append(None)
+                else:
+                    return None
+            return cls(lowered._execute_with_raw_ptrs, tuple(names), bound, -1 if index is None else index)
+        except Exception:  # (internals other than those read)
+            return None
+
+    def __call__(self, ptrs: dict, workspace: int, handle: Any) -> None:
+        """Run with ``ptrs`` (operand name -> address) and the workspace address on the handle's stream."""
+        addrs = array.array("q", [ptrs[n] if n is not None else 0 for n in self.names])
+        for i, a in self.bound.items():
+            addrs[i] = a
+        self.fn(addrs.buffer_info()[0], self.n, workspace, handle.backend_handle, self.index)
 
 
 def _cudnn_dtype(cudnn: Any, name: str) -> Any:
