@@ -547,11 +547,14 @@ def _issue_q(q_desc, slots: QSlots, w: WorkItem, r, geo: Geometry):
 
 
 @gluon.jit
-def _tma_tile(
-    k_buf, k1_buf, v_buf, v1_buf, bar, src: KVSource, w: WorkItem, t, k_desc, k1_desc, v_desc, v1_desc, geo: Geometry
-):
-    """Bulk-tensor copies of key tile t (wholly below kv_len) into the given buffers, PAGE_BOX rows a
-    box (one box never crosses a page), completing on ``bar`` (its byte count set by the caller)."""
+def _tma_tile(bufs, idx, bar, src: KVSource, w: WorkItem, t, k_desc, k1_desc, v_desc, v1_desc, geo: Geometry):
+    """Bulk-tensor copies of key tile t (wholly below kv_len) into slot ``idx`` of ``bufs`` (a
+    :class:`KVRing` or :class:`Staging`), PAGE_BOX rows a box (one box never crosses a page),
+    completing on ``bar`` (its byte count set by the caller)."""
+    k_buf = bufs.k.index(idx)
+    k1_buf = bufs.k1.index(idx)
+    v_buf = bufs.v.index(idx)
+    v1_buf = bufs.v1.index(idx)
     PAGE_SIZE: gl.constexpr = geo.PAGE_SIZE
     PAGE_BOX: gl.constexpr = geo.PAGE_BOX
     for p in gl.static_range(geo.BLOCK_N // PAGE_BOX):
@@ -588,21 +591,7 @@ def _stage(stg: Staging, slot, src: KVSource, w: WorkItem, t, k_desc, k1_desc, v
     bar = stg.full.index(slot)
     if geo.USE_TMA and (t + 1) * geo.BLOCK_N <= w.kv_len:
         mbarrier.expect(bar, geo.BLOCK_N * (geo.DQ0 + geo.DQ1 + geo.DVO))
-        _tma_tile(
-            stg.k.index(slot),
-            stg.k1.index(slot),
-            stg.v.index(slot),
-            stg.v1.index(slot),
-            bar,
-            src,
-            w,
-            t,
-            k_desc,
-            k1_desc,
-            v_desc,
-            v1_desc,
-            geo,
-        )
+        _tma_tile(stg, slot, bar, src, w, t, k_desc, k1_desc, v_desc, v1_desc, geo)
     else:
         src.gather(stg.k.index(slot), stg.k1.index(slot), stg.v.index(slot), stg.v1.index(slot), w, t, geo)
         if geo.USE_TMA:
@@ -720,21 +709,7 @@ def _load_partition(
             elif geo.USE_TMA:
                 if (t + 1) * BLOCK_N <= w.kv_len:
                     mbarrier.expect(ring.full.index(s), 2 * BLOCK_N * (DQ0 + DQ1 + geo.DVO))
-                    _tma_tile(
-                        ring.k.index(s),
-                        ring.k1.index(s),
-                        ring.v.index(s),
-                        ring.v1.index(s),
-                        ring.full.index(s),
-                        src,
-                        w,
-                        t,
-                        k_desc,
-                        k1_desc,
-                        v_desc,
-                        v1_desc,
-                        geo,
-                    )
+                    _tma_tile(ring, s, ring.full.index(s), src, w, t, k_desc, k1_desc, v_desc, v1_desc, geo)
                 else:
                     src.gather(ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo)
                     async_copy.commit_group()
@@ -815,25 +790,14 @@ def _softmax(s, m_i, l_i, qk_e, qk_r, start_n, diag, kv_len, window, cap_out, MA
     ``qk_e`` to multiply S elementwise and ``qk_r`` per row (KV8: [SUB_M, 1] and [SUB_M] tensors, each
     row's own; else one scalar twice). SOFTCAP: the logit is cap_out * tanh(s * qk) (qk then folds
     1 / cap in)."""
-    if geo.SOFTCAP:
-        s = _tanh(s * qk_e) * cap_out  # (log2 units, scaled and capped)
-        if MASKED:
-            cols = start_n + gl.arange(0, s.shape[1], gl.SliceLayout(0, s.type.layout))
-            if geo.CAUSAL:
-                visible = cols[None, :] <= diag[:, None]
-            else:
-                visible = (cols < kv_len)[None, :]
-            if geo.WINDOW:
-                visible = visible & (cols[None, :] >= (diag - window)[:, None])
-            s = gl.where(visible, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_use[:, None])
-    elif MASKED or (geo.K_SCALED and not geo.KV8):
+    if geo.SOFTCAP or MASKED or (geo.K_SCALED and not geo.KV8):
         # scale first, then mask: a masked -inf must never meet a zero scale (K_SCALED: the scale's
         # sign is known only on the device, so max(s) * scale may not be max(s * scale); KV8 moves
         # the sign into Q)
-        s = s * qk_e
+        if geo.SOFTCAP:
+            s = _tanh(s * qk_e) * cap_out  # (log2 units, scaled and capped)
+        else:
+            s = s * qk_e
         if MASKED:
             cols = start_n + gl.arange(0, s.shape[1], gl.SliceLayout(0, s.type.layout))
             if geo.CAUSAL:
