@@ -21,9 +21,75 @@ is ``do_not_specialize``.
 
 import triton
 import triton.language as tl
+from triton.language.core import _aggregate as aggregate
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+
+
+@aggregate
+class Tile:
+    """Compile-time shape of one key-tile step (:func:`_attend_tile`)."""
+
+    CDT: tl.constexpr  # the dots' input dtype
+    PREC: tl.constexpr  # their input precision (fp32: "ieee")
+    PAGE_SIZE: tl.constexpr  # 0: ragged K/V
+    PAGE_PER_TILE: tl.constexpr  # a tile lies in one page
+    DQ0: tl.constexpr  # key columns of the first part (a power of two) ...
+    DQ0_REAL: tl.constexpr  # ... of which real (the rest masked)
+    DQ1: tl.constexpr
+    DQ1_REAL: tl.constexpr
+    DV0: tl.constexpr
+    DV0_REAL: tl.constexpr
+    DV1: tl.constexpr
+    DV1_REAL: tl.constexpr
+    BLOCK_N: tl.constexpr
+    CAUSAL: tl.constexpr
+    WINDOW: tl.constexpr
+    SOFTCAP: tl.constexpr
+    FAST_TANH: tl.constexpr
+    LAZY: tl.constexpr  # rescale only when a row's max grew by more than 8 (unmasked tiles)
+
+    @triton.constexpr_function
+    def __init__(
+        self,
+        CDT,
+        PREC,
+        PAGE_SIZE,
+        PAGE_PER_TILE,
+        DQ0,
+        DQ0_REAL,
+        DQ1,
+        DQ1_REAL,
+        DV0,
+        DV0_REAL,
+        DV1,
+        DV1_REAL,
+        BLOCK_N,
+        CAUSAL,
+        WINDOW,
+        SOFTCAP,
+        FAST_TANH,
+        LAZY,
+    ):
+        self.CDT = tl.constexpr(CDT)
+        self.PREC = tl.constexpr(PREC)
+        self.PAGE_SIZE = tl.constexpr(PAGE_SIZE)
+        self.PAGE_PER_TILE = tl.constexpr(PAGE_PER_TILE)
+        self.DQ0 = tl.constexpr(DQ0)
+        self.DQ0_REAL = tl.constexpr(DQ0_REAL)
+        self.DQ1 = tl.constexpr(DQ1)
+        self.DQ1_REAL = tl.constexpr(DQ1_REAL)
+        self.DV0 = tl.constexpr(DV0)
+        self.DV0_REAL = tl.constexpr(DV0_REAL)
+        self.DV1 = tl.constexpr(DV1)
+        self.DV1_REAL = tl.constexpr(DV1_REAL)
+        self.BLOCK_N = tl.constexpr(BLOCK_N)
+        self.CAUSAL = tl.constexpr(CAUSAL)
+        self.WINDOW = tl.constexpr(WINDOW)
+        self.SOFTCAP = tl.constexpr(SOFTCAP)
+        self.FAST_TANH = tl.constexpr(FAST_TANH)
+        self.LAZY = tl.constexpr(LAZY)
 
 
 @triton.jit
@@ -34,26 +100,24 @@ def _tanh(x, FAST: tl.constexpr):
 
 
 @triton.jit
-def _kv_offsets(
-    BT_row,
-    cols,
-    kv_mask,
-    kv_head,
-    k_start,
-    v_start,
-    num_pages,
-    stride_kn,
-    stride_kh,
-    stride_ks,
-    stride_vn,
-    stride_vh,
-    stride_vs,
-    start_n,
-    PAGE_SIZE: tl.constexpr,
-    PAGE_PER_TILE: tl.constexpr,
-    MASKED: tl.constexpr,
-):
-    """int64 element offsets of the K rows and V rows of keys ``cols`` (one tile)."""
+def _kv_offsets(kv, cols, kv_mask, start_n, PAGE_SIZE: tl.constexpr, PAGE_PER_TILE: tl.constexpr, MASKED: tl.constexpr):
+    """int64 element offsets of the K rows and V rows of keys ``cols`` (one tile); ``kv`` as
+    :func:`_attend_tile` takes it."""
+    (
+        _,
+        _,
+        BT_row,
+        kv_head,
+        k_start,
+        v_start,
+        num_pages,
+        stride_kn,
+        stride_kh,
+        stride_ks,
+        stride_vn,
+        stride_vh,
+        stride_vs,
+    ) = kv
     if PAGE_SIZE == 0:  # ragged
         k_off = (k_start + cols).to(tl.int64) * stride_kn
         v_off = (v_start + cols).to(tl.int64) * stride_vn
@@ -87,83 +151,30 @@ def _load_cols(ptr, rows_off, row_mask, C0: tl.constexpr, N: tl.constexpr, REAL:
 
 
 @triton.jit
-def _attend_tile(
-    acc0,
-    acc1,
-    l_i,
-    m_i,
-    q0,
-    q1,
-    K,
-    V,
-    BT_row,
-    start_n,
-    kv_len,
-    diag,
-    qk_scale,
-    cap_in,
-    cap_out,
-    window,
-    kv_head,
-    k_start,
-    v_start,
-    num_pages,
-    stride_kn,
-    stride_kh,
-    stride_ks,
-    stride_vn,
-    stride_vh,
-    stride_vs,
-    CDT: tl.constexpr,
-    PREC: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    PAGE_PER_TILE: tl.constexpr,
-    DQ0: tl.constexpr,
-    DQ0_REAL: tl.constexpr,
-    DQ1: tl.constexpr,
-    DQ1_REAL: tl.constexpr,
-    DV0: tl.constexpr,
-    DV0_REAL: tl.constexpr,
-    DV1: tl.constexpr,
-    DV1_REAL: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    FAST_TANH: tl.constexpr,
-    MASKED: tl.constexpr,
-    LAZY: tl.constexpr,
-):
-    """One online-softmax step over keys [start_n, start_n + BLOCK_N)."""
-    cols = start_n + tl.arange(0, BLOCK_N)
+def _attend_tile(acc0, acc1, l_i, m_i, q0, q1, start_n, kv, rows, t: Tile, MASKED: tl.constexpr):
+    """One online-softmax step over keys [start_n, start_n + BLOCK_N). ``kv``: (K, V, BT_row, kv_head,
+    k_start, v_start, num_pages, and K's then V's row / page, head and slot strides); ``rows``: (kv_len,
+    diag, qk_scale, cap_in, cap_out, window)."""
+    K = kv[0]
+    V = kv[1]
+    kv_len, diag, qk_scale, cap_in, cap_out, window = rows
+    CDT: tl.constexpr = t.CDT
+    PREC: tl.constexpr = t.PREC
+    DQ0: tl.constexpr = t.DQ0
+    DQ1: tl.constexpr = t.DQ1
+    DV0: tl.constexpr = t.DV0
+    DV1: tl.constexpr = t.DV1
+    cols = start_n + tl.arange(0, t.BLOCK_N)
     kv_mask = cols < kv_len
-    k_off, v_off = _kv_offsets(
-        BT_row,
-        cols,
-        kv_mask,
-        kv_head,
-        k_start,
-        v_start,
-        num_pages,
-        stride_kn,
-        stride_kh,
-        stride_ks,
-        stride_vn,
-        stride_vh,
-        stride_vs,
-        start_n,
-        PAGE_SIZE,
-        PAGE_PER_TILE,
-        MASKED,
-    )
+    k_off, v_off = _kv_offsets(kv, cols, kv_mask, start_n, t.PAGE_SIZE, t.PAGE_PER_TILE, MASKED)
     # S = Q K^T, head dim in up to two power-of-two parts
-    k0 = _load_cols(K, k_off, kv_mask, 0, DQ0, DQ0_REAL, MASKED)
+    k0 = _load_cols(K, k_off, kv_mask, 0, DQ0, t.DQ0_REAL, MASKED)
     qk = tl.dot(q0, tl.trans(k0.to(CDT)), input_precision=PREC)
     if DQ1 > 0:
-        k1 = _load_cols(K, k_off, kv_mask, DQ0, DQ1, DQ1_REAL, MASKED)
+        k1 = _load_cols(K, k_off, kv_mask, DQ0, DQ1, t.DQ1_REAL, MASKED)
         qk = tl.dot(q1, tl.trans(k1.to(CDT)), acc=qk, input_precision=PREC)
-    if SOFTCAP:  # capped logits, already in log2 units
-        qk = cap_out * _tanh(qk * cap_in, FAST_TANH)
+    if t.SOFTCAP:  # capped logits, already in log2 units
+        qk = cap_out * _tanh(qk * cap_in, t.FAST_TANH)
         sc = 1.0
     else:
         sc = qk_scale
@@ -171,17 +182,17 @@ def _attend_tile(
     if MASKED:
         # scale first, then mask: a masked -inf must never meet a zero scale
         s = qk * sc
-        if CAUSAL:
+        if t.CAUSAL:
             visible = cols[None, :] <= diag[:, None]  # diag < kv_len for every real row
         else:
             visible = kv_mask[None, :]
-        if WINDOW:
+        if t.WINDOW:
             visible = visible & (cols[None, :] >= diag[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet
         p = tl.math.exp2(s - m_use[:, None])
-    elif LAZY:
+    elif t.LAZY:
         # Rescale the accumulators only when some row's running max grew by more than 8 (log2
         # units): with a stale max, p <= 2^8, harmless in fp32 and in the 16-bit P operand.
         m_new = tl.maximum(m_i, tl.max(qk, 1) * sc)
@@ -200,7 +211,7 @@ def _attend_tile(
         m_new = tl.maximum(m_i, tl.max(qk, 1) * sc)
         m_use = m_new
         p = tl.math.exp2(qk * sc - m_use[:, None])
-    if LAZY and not MASKED:
+    if t.LAZY and not MASKED:
         l_i = l_i + tl.sum(p, 1)  # accumulators already rescaled above when needed
     else:
         alpha = tl.math.exp2(m_i - m_use)
@@ -209,10 +220,10 @@ def _attend_tile(
         if DV1 > 0:
             acc1 = acc1 * alpha[:, None]
     p = p.to(CDT)
-    v0 = _load_cols(V, v_off, kv_mask, 0, DV0, DV0_REAL, MASKED)
+    v0 = _load_cols(V, v_off, kv_mask, 0, DV0, t.DV0_REAL, MASKED)
     acc0 = tl.dot(p, v0.to(CDT), acc=acc0, input_precision=PREC)
     if DV1 > 0:
-        v1 = _load_cols(V, v_off, kv_mask, DV0, DV1, DV1_REAL, MASKED)
+        v1 = _load_cols(V, v_off, kv_mask, DV0, DV1, t.DV1_REAL, MASKED)
         acc1 = tl.dot(p, v1.to(CDT), acc=acc1, input_precision=PREC)
     return acc0, acc1, l_i, m_new
 
@@ -370,6 +381,42 @@ def prefill_kernel(
             k_start = tl.load(META + 4 * meta_stride + b)
             v_start = tl.load(META + 5 * meta_stride + b)
 
+        kv = (
+            K,
+            V,
+            BT_row,
+            kv_head,
+            k_start,
+            v_start,
+            num_pages,
+            stride_kn,
+            stride_kh,
+            stride_ks,
+            stride_vn,
+            stride_vh,
+            stride_vs,
+        )
+        rows = (kv_len, diag, qk_scale, cap_in, cap_out, window)
+        tile = Tile(
+            CDT,
+            PREC,
+            PAGE_SIZE,
+            PAGE_PER_TILE,
+            DQ0,
+            DQ0_REAL,
+            DQ1,
+            DQ1_REAL,
+            DV0,
+            DV0_REAL,
+            DV1,
+            DV1_REAL,
+            BLOCK_N,
+            CAUSAL,
+            WINDOW,
+            SOFTCAP,
+            FAST_TANH,
+            LAZY_RESCALE,
+        )
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc0 = tl.zeros([BLOCK_M, DV0], tl.float32)
@@ -380,149 +427,11 @@ def prefill_kernel(
 
         if WINDOW:
             for start_n in range(lo, a1, BLOCK_N):
-                acc0, acc1, l_i, m_i = _attend_tile(
-                    acc0,
-                    acc1,
-                    l_i,
-                    m_i,
-                    q0,
-                    q1,
-                    K,
-                    V,
-                    BT_row,
-                    start_n,
-                    kv_len,
-                    diag,
-                    qk_scale,
-                    cap_in,
-                    cap_out,
-                    window,
-                    kv_head,
-                    k_start,
-                    v_start,
-                    num_pages,
-                    stride_kn,
-                    stride_kh,
-                    stride_ks,
-                    stride_vn,
-                    stride_vh,
-                    stride_vs,
-                    CDT,
-                    PREC,
-                    PAGE_SIZE,
-                    PAGE_PER_TILE,
-                    DQ0,
-                    DQ0_REAL,
-                    DQ1,
-                    DQ1_REAL,
-                    DV0,
-                    DV0_REAL,
-                    DV1,
-                    DV1_REAL,
-                    BLOCK_N,
-                    CAUSAL,
-                    WINDOW,
-                    SOFTCAP,
-                    FAST_TANH,
-                    True,
-                    LAZY_RESCALE,
-                )
+                acc0, acc1, l_i, m_i = _attend_tile(acc0, acc1, l_i, m_i, q0, q1, start_n, kv, rows, tile, True)
         for start_n in range(a1, a2, BLOCK_N):
-            acc0, acc1, l_i, m_i = _attend_tile(
-                acc0,
-                acc1,
-                l_i,
-                m_i,
-                q0,
-                q1,
-                K,
-                V,
-                BT_row,
-                start_n,
-                kv_len,
-                diag,
-                qk_scale,
-                cap_in,
-                cap_out,
-                window,
-                kv_head,
-                k_start,
-                v_start,
-                num_pages,
-                stride_kn,
-                stride_kh,
-                stride_ks,
-                stride_vn,
-                stride_vh,
-                stride_vs,
-                CDT,
-                PREC,
-                PAGE_SIZE,
-                PAGE_PER_TILE,
-                DQ0,
-                DQ0_REAL,
-                DQ1,
-                DQ1_REAL,
-                DV0,
-                DV0_REAL,
-                DV1,
-                DV1_REAL,
-                BLOCK_N,
-                CAUSAL,
-                WINDOW,
-                SOFTCAP,
-                FAST_TANH,
-                False,
-                LAZY_RESCALE,
-            )
+            acc0, acc1, l_i, m_i = _attend_tile(acc0, acc1, l_i, m_i, q0, q1, start_n, kv, rows, tile, False)
         for start_n in range(a2, hi, BLOCK_N):
-            acc0, acc1, l_i, m_i = _attend_tile(
-                acc0,
-                acc1,
-                l_i,
-                m_i,
-                q0,
-                q1,
-                K,
-                V,
-                BT_row,
-                start_n,
-                kv_len,
-                diag,
-                qk_scale,
-                cap_in,
-                cap_out,
-                window,
-                kv_head,
-                k_start,
-                v_start,
-                num_pages,
-                stride_kn,
-                stride_kh,
-                stride_ks,
-                stride_vn,
-                stride_vh,
-                stride_vs,
-                CDT,
-                PREC,
-                PAGE_SIZE,
-                PAGE_PER_TILE,
-                DQ0,
-                DQ0_REAL,
-                DQ1,
-                DQ1_REAL,
-                DV0,
-                DV0_REAL,
-                DV1,
-                DV1_REAL,
-                BLOCK_N,
-                CAUSAL,
-                WINDOW,
-                SOFTCAP,
-                FAST_TANH,
-                True,
-                LAZY_RESCALE,
-            )
+            acc0, acc1, l_i, m_i = _attend_tile(acc0, acc1, l_i, m_i, q0, q1, start_n, kv, rows, tile, True)
 
         if HAS_SINKS and not SPLIT:  # the sink joins the denominator (m_i, l_i, acc share one max)
             sink2 = tl.load(SINKS + head) * LOG2E
