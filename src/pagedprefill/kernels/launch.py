@@ -111,6 +111,12 @@ def _kwargs_key(kwargs: dict) -> tuple:
     return tuple(out)
 
 
+def _tritons_own_path(kernel, grid) -> bool:
+    """Launches that always go through ``kernel[grid](...)``: the interpreter, a kernel with pre-run
+    hooks, a callable grid, a Triton other than the one whose internals were checked."""
+    return INTERPRETED or bool(kernel.pre_run_hooks) or callable(grid) or _TRITON_MINOR != _FAST_LAUNCH_TRITON
+
+
 def fast_launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
     """``kernel[grid](*args, **kwargs)`` where ``args`` are the positional (runtime) parameters and
     ``kwargs`` the constexprs and launch options. A launch whose argument specialisation, kwargs and
@@ -118,7 +124,7 @@ def fast_launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
     binding (about 30 µs of host time for a kernel with 30 arguments). The compiled kernel's own
     launcher still calls Triton's launch hooks (profilers); a kernel with pre-run hooks, a callable
     grid, another Triton version and the interpreter always take Triton's own path."""
-    if INTERPRETED or kernel.pre_run_hooks or callable(grid) or _TRITON_MINOR != _FAST_LAUNCH_TRITON:
+    if _tritons_own_path(kernel, grid):
         kernel[grid](*args, **kwargs)
         return
     try:
@@ -244,7 +250,7 @@ def bind(kernel, grid: tuple, args: tuple, kwargs: dict) -> BoundLaunch | None:
     later calls with the same non-tensor arguments (None where that cannot apply: the interpreter,
     another Triton, hooks, a callable grid, arguments other than tensors, numbers, None and
     descriptors)."""
-    if INTERPRETED or kernel.pre_run_hooks or callable(grid) or _TRITON_MINOR != _FAST_LAUNCH_TRITON:
+    if _tritons_own_path(kernel, grid):
         kernel[grid](*args, **kwargs)
         return None
     compiled = kernel[grid](*args, **kwargs)
