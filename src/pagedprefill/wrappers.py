@@ -88,7 +88,7 @@ class _Wrapper:
         self._kv_layout = kv_layout
         self._use_cuda_graph = bool(use_cuda_graph)
         self._backend = backend
-        self._buffers = buffers
+        self._buffers = {k: v for k, v in buffers.items() if v is not None}  # (the buffers given)
         self._plan: PrefillPlan | None = None
         self._window_plans: dict[int, PrefillPlan] = {}
         self._bounds: tuple[int, int] | None = None
@@ -229,7 +229,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
             kv_layout,
             use_cuda_graph,
             backend,
-            {k: v for k, v in buffers.items() if v is not None},
+            buffers,
             custom_mask_buf,
             mask_indptr_buf,
             jit_args,
@@ -432,7 +432,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         jit_args=None,
         jit_kwargs=None,
     ) -> None:
-        buffers = {k: v for k, v in dict(qo_indptr=qo_indptr_buf, kv_indptr=kv_indptr_buf).items() if v is not None}
+        buffers = dict(qo_indptr=qo_indptr_buf, kv_indptr=kv_indptr_buf)
         super().__init__(
             float_workspace_buffer,
             kv_layout,
