@@ -1509,3 +1509,66 @@ def test_fp8_refusal_or_result():
     else:
         out, lse = _run(case)
         check(case, out, lse, atol=6e-2, lse_atol=5e-2)
+
+
+# --------------------------------------------------------------------------------------------
+# Raw execution (graph.RawExecute): the addresses it hands the frontend
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("paged, lse, sinks, fp8", [(True, True, False, False), (False, False, True, True)])
+def test_raw_addresses_are_the_public_operands(paged, lse, sinks, fp8):
+    """The raw execution's addresses name exactly the operands the public execute binds, at their
+    addresses: the scratch's kept per views, the call's read again on every run."""
+    plan = object.__new__(cb.CudnnPlan)
+    plan.graph = types.SimpleNamespace(spec=types.SimpleNamespace(paged=paged, lse=lse, sinks=sinks, fp8=fp8))
+    ints = torch.zeros(graph.ROWS, 8, dtype=torch.int32)
+    table = torch.zeros(3, 4, dtype=torch.int32) if paged else None
+    floats = torch.zeros(8) if fp8 else None
+    views = cb._Views(ints, table, floats, torch.zeros(16, dtype=torch.uint8), {})
+
+    def call():
+        names = ("q", "k", "v", "out", "lse", "sinks", "q_scale", "k_scale", "v_scale")
+        return types.SimpleNamespace(**{n: torch.randn(5) for n in names})
+
+    for t in (call(), call()):
+        ops = plan._operands(t, views)
+        assert plan._addresses(t, views) == {n: x.data_ptr() for n, x in ops.items()}
+    assert ("table_k" in ops) == paged and ("off_k" in ops) == (not paged)
+    assert ("stats" in ops) == lse and ("sinks" in ops) == sinks and ("descale_q" in ops) == fp8
+
+
+def test_raw_execute_orders_addresses_by_the_graphs_slots(monkeypatch):
+    """RawExecute puts each operand's address in its uid's slot of the frontend's variant-pack order
+    and the graph's own bindings in theirs; another frontend version, a python engine or an unnamed
+    slot keeps the public execute."""
+    import ctypes
+
+    got = []
+
+    def execute_with_raw_ptrs(address, n, ws, handle, index):
+        got.append((list(ctypes.cast(address, ctypes.POINTER(ctypes.c_int64))[:n]), ws, handle, index))
+
+    uids = {"q": 7, "k": 3, "o": 9}
+    tensors = {n: types.SimpleNamespace(get_uid=lambda u=u: u) for n, u in uids.items()}
+
+    def frontend(order, bindings=None, engine=None):
+        g = types.SimpleNamespace(
+            selected_engine=engine,
+            _is_built=True,
+            _variant_pack_uids=lambda: order,
+            _lowered_graph=types.SimpleNamespace(_execute_with_raw_ptrs=execute_with_raw_ptrs),
+            _plans=[],
+            _data_bindings=bindings or {},
+        )
+        return graph.Plan(None, g, tensors, None, "test", 0.0)
+
+    module = types.SimpleNamespace(__version__="1.32.0")
+    monkeypatch.setattr(graph, "cudnn_module", lambda: module)
+    raw = graph.RawExecute.of(frontend([3, 5, 7, 9], bindings={5: 4242}))
+    raw({"q": 100, "k": 200, "o": 300}, 77, types.SimpleNamespace(backend_handle=11))
+    assert got == [([200, 4242, 100, 300], 77, 11, -1)]
+    assert graph.RawExecute.of(frontend([3, 5, 7, 9])) is None  # (slot 5: neither named nor bound)
+    assert graph.RawExecute.of(frontend([3, 7, 9], engine=object())) is None
+    module.__version__ = "1.33.0"
+    assert graph.RawExecute.of(frontend([3, 7, 9])) is None

@@ -66,9 +66,6 @@ def plan(batch: PrefillBatch, workspace_bytes: int | None) -> CudnnPlan:
     return CudnnPlan(batch)
 
 
-_CALL_OPERANDS = frozenset(("q", "k", "v", "o", "stats", "sinks", "descale_q", "descale_k", "descale_v"))
-
-
 @dataclass
 class _Views:
     """A run's regions of the scratch."""
@@ -126,13 +123,22 @@ class CudnnPlan:
         self._static = None
         return views
 
-    def _operands(self, t: CallTensors, views: _Views) -> dict[str, Any]:
+    def _call_operands(self, t: CallTensors) -> dict[str, Tensor]:
+        """The operands a call brings: q, K, V, out, and the LSE, sinks and fp8 scales the graph takes."""
+        ops = {"q": t.q, "k": t.k, "v": t.v, "o": t.out}
+        spec = self.graph.spec
+        if spec.lse:
+            ops["stats"] = t.lse
+        if spec.sinks:
+            ops["sinks"] = t.sinks
+        if spec.fp8:
+            ops.update(descale_q=t.q_scale, descale_k=t.k_scale, descale_v=t.v_scale)
+        return ops
+
+    def _scratch_operands(self, views: _Views) -> dict[str, Tensor]:
+        """The operands that live in the scratch: metadata rows, page table, fp8 scale slots."""
         rows = views.ints
-        ops: dict[str, Any] = {
-            "q": t.q,
-            "k": t.k,
-            "v": t.v,
-            "o": t.out,
+        ops = {
             "seq_q": rows[prepare.R_SEQ_Q],
             "seq_kv": rows[prepare.R_SEQ_KV],
             "off_q": rows[prepare.R_OFF_Q],
@@ -144,30 +150,21 @@ class CudnnPlan:
         else:
             ops["off_k"], ops["off_v"] = rows[prepare.R_OFF_K], rows[prepare.R_OFF_V]
         if spec.lse:
-            ops["stats"], ops["off_stats"] = t.lse, rows[prepare.R_OFF_S]
-        if spec.sinks:
-            ops["sinks"] = t.sinks
+            ops["off_stats"] = rows[prepare.R_OFF_S]
         if spec.fp8:
-            ops.update(descale_q=t.q_scale, descale_k=t.k_scale, descale_v=t.v_scale)
             f = views.floats
             ops.update(descale_s=f[0], scale_s=f[1], scale_o=f[2], amax_s=f[3], amax_o=f[4])
         return ops
 
+    def _operands(self, t: CallTensors, views: _Views) -> dict[str, Any]:
+        return {**self._scratch_operands(views), **self._call_operands(t)}
+
     def _addresses(self, t: CallTensors, views: _Views) -> dict[str, int]:
         """Operand name -> address: the scratch's operands once per views, the call's every run."""
         if not views.fixed:
-            views.fixed.update(
-                (n, x.data_ptr()) for n, x in self._operands(t, views).items() if n not in _CALL_OPERANDS
-            )
+            views.fixed.update((n, x.data_ptr()) for n, x in self._scratch_operands(views).items())
         ptrs = dict(views.fixed)
-        ptrs.update(q=t.q.data_ptr(), k=t.k.data_ptr(), v=t.v.data_ptr(), o=t.out.data_ptr())
-        spec = self.graph.spec
-        if spec.lse:
-            ptrs["stats"] = t.lse.data_ptr()
-        if spec.sinks:
-            ptrs["sinks"] = t.sinks.data_ptr()
-        if spec.fp8:
-            ptrs.update(descale_q=t.q_scale.data_ptr(), descale_k=t.k_scale.data_ptr(), descale_v=t.v_scale.data_ptr())
+        ptrs.update((n, x.data_ptr()) for n, x in self._call_operands(t).items())
         return ptrs
 
     def execute(self, t: CallTensors, views: _Views) -> None:

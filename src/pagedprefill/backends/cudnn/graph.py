@@ -364,13 +364,12 @@ class RawExecute:
     (the tensor dict, uid lookups, the operand descriptions it re-derives each call) is skipped, since
     a plan's operands keep their declared shapes and only their addresses change.
 
-    ``names``: the operand name of each slot, in order; ``bound``: addresses of slots the graph binds
-    itself (by slot)."""
+    ``slots``: each slot's operand name, in order, or the address of an operand the graph binds itself."""
 
-    __slots__ = ("fn", "names", "bound", "n", "index")
+    __slots__ = ("fn", "slots", "n", "index")
 
-    def __init__(self, fn: Any, names: tuple, bound: dict, index: int):
-        self.fn, self.names, self.bound, self.n, self.index = fn, names, bound, len(names), index
+    def __init__(self, fn: Any, slots: tuple, index: int):
+        self.fn, self.slots, self.n, self.index = fn, slots, len(slots), index
 
     @classmethod
     def of(cls, plan: Plan) -> RawExecute | None:
@@ -388,25 +387,22 @@ class RawExecute:
                 return None
             index = g._materialize_backend_plan(g._plan_index).cpp_index if g._plans else None
             name_of = {tn.get_uid(): n for n, tn in plan.tensors.items()}
-            names, bound = [], {}
-            for i, uid in enumerate(order):
+            slots = []
+            for uid in order:
                 if uid in name_of:
-                    names.append(name_of[uid])
+                    slots.append(name_of[uid])
                 elif uid in g._data_bindings:
                     data = g._data_bindings[uid]
-                    bound[i] = data if type(data) is int else data.data_ptr()
-                    names.append(None)
+                    slots.append(data if type(data) is int else data.data_ptr())
                 else:
                     return None
-            return cls(lowered._execute_with_raw_ptrs, tuple(names), bound, -1 if index is None else index)
+            return cls(lowered._execute_with_raw_ptrs, tuple(slots), -1 if index is None else index)
         except Exception:  # (internals other than those read)
             return None
 
     def __call__(self, ptrs: dict, workspace: int, handle: Any) -> None:
         """Run with ``ptrs`` (operand name -> address) and the workspace address on the handle's stream."""
-        addrs = array.array("q", [ptrs[n] if n is not None else 0 for n in self.names])
-        for i, a in self.bound.items():
-            addrs[i] = a
+        addrs = array.array("q", [ptrs[x] if type(x) is str else x for x in self.slots])
         self.fn(addrs.buffer_info()[0], self.n, workspace, handle.backend_handle, self.index)
 
 

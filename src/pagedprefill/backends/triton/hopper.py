@@ -23,7 +23,6 @@ except Exception as exc:  # pragma: no cover - depends on the Triton build
     IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 LOG2E = 1.4426950408889634
-FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # K/V dtypes widened to q's in the kernel
 SMEM_BYTES = 227 * 1024 - 1024  # sm_90's shared memory per block, less room for the barriers
 
 
@@ -75,7 +74,8 @@ def unavailable_reason(batch: PrefillBatch) -> str | None:
     if hk is None:
         return f"Gluon is not importable: {IMPORT_ERROR}"
     dt = batch.q.dtype
-    if dt not in (torch.float16, torch.bfloat16) or batch.k.dtype not in (dt, *FP8) or batch.v.dtype != batch.k.dtype:
+    kv_ok = batch.k.dtype == dt or batch.fp8_kv  # (8-bit K/V are widened to q's dtype in the kernel)
+    if dt not in (torch.float16, torch.bfloat16) or not kv_ok or batch.v.dtype != batch.k.dtype:
         return "q 16-bit, and k and v in q's dtype or one fp8 dtype"
     if (batch.head_dim_qk, batch.head_dim_vo) not in HEAD_DIMS:
         return "head dims other than Dqk = Dvo in {64, 96, 128, 256} and Dqk 192 / Dvo 128"
@@ -137,7 +137,7 @@ def config(batch: PrefillBatch) -> Config:
         why = f"chunk must be >= 0 (0: all pairs in one chunk), got {cfg.chunk}"
     elif cfg.dynamic not in (0, 1):
         why = f"dynamic must be 0 or 1, got {cfg.dynamic}"
-    elif _ring_stages(batch, cfg, kv8_stages(batch, cfg) * cfg.BLOCK_N * (batch.head_dim_qk + batch.head_dim_vo)) < 2:
+    elif _ring_stages(batch, cfg, _staging_bytes(batch, cfg)) < 2:
         why = f"Q ({cfg.BLOCK_M} rows), two K/V stages of {cfg.BLOCK_N} keys and the fp8 staging exceed shared memory"
     if why:
         raise ValueError(f"Hopper knob: {why}")
@@ -243,6 +243,10 @@ def kv8_stages(batch: PrefillBatch, cfg: Config) -> int:
     return 3 if _ring_stages(batch, cfg, 3 * tile8) >= 3 else 2
 
 
+def _staging_bytes(batch: PrefillBatch, cfg: Config) -> int:
+    return kv8_stages(batch, cfg) * cfg.BLOCK_N * (batch.head_dim_qk + batch.head_dim_vo)
+
+
 def _ring_stages(batch: PrefillBatch, cfg: Config, staging_bytes: int) -> int:
     esz = batch.q.dtype.itemsize
     q_bytes = cfg.BLOCK_M * batch.head_dim_qk * esz
@@ -253,8 +257,7 @@ def _ring_stages(batch: PrefillBatch, cfg: Config, staging_bytes: int) -> int:
 def stages(batch: PrefillBatch, cfg: Config) -> int:
     """``cfg.stages``, or fewer where Q, the K/V ring and the 8-bit staging slots would not fit in shared
     memory (Dqk > 128, 8-bit K/V)."""
-    staging = kv8_stages(batch, cfg) * cfg.BLOCK_N * (batch.head_dim_qk + batch.head_dim_vo)
-    return max(2, min(cfg.stages, _ring_stages(batch, cfg, staging)))
+    return max(2, min(cfg.stages, _ring_stages(batch, cfg, _staging_bytes(batch, cfg))))
 
 
 def num_m_blocks(batch: PrefillBatch, cfg: Config) -> int:

@@ -71,7 +71,7 @@ class Geometry:
     KV8: gl.constexpr  # 8-bit K/V: tiles arrive in a staging ring and the load warps widen them
     S8: gl.constexpr  # KV8: staging slots (tiles in flight ahead of the one being widened, plus it)
     VEC: gl.constexpr  # K/V elements per 16-byte cp.async chunk
-    K_SCALED: gl.constexpr  # a device k_scale multiplies the logits (any sign: no max-first shortcut)
+    K_SCALED: gl.constexpr  # a device k_scale multiplies the logits (its sign is read on the device)
     V_SCALED: gl.constexpr  # a device v_scale multiplies O
 
     @gluon.constexpr_function
