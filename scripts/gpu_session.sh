@@ -13,7 +13,7 @@
 #   variants  scripts/bench_variants.py: window, soft-cap, sinks, merge_state
 #   tune      scripts/tune_hopper.py \$TUNE_ARGS: the Hopper kernel under knob sets beside cuDNN
 #   profile   scripts/host_profile.py: cProfile of plan.run / one-shot per layer, and primitive costs
-# Knobs: TESTS (test paths/ids, default tests), PYTEST_ARGS, WORKERS, BENCH_ARGS, SERVING_N, TAG (file
+# Knobs: TESTS (test paths/ids, default tests), PYTEST_ARGS, WORKERS, BENCH_ARGS, PROFILE_ARGS, SERVING_N, TAG (file
 # prefix); time limits in seconds: TEST_S, MEMCHECK_S, BENCH_S, SERVING_S, VARIANTS_S.
 # Wheels (.whl/, carried): nvidia-cudnn-frontend, fa3-fwd, pytest-xdist + execnet.
 set -uo pipefail
@@ -85,7 +85,7 @@ for s in $steps; do
       echo "rc $?"
       cat "$OUT/$TAG-tune.log" ;;
     profile)
-      timeout 240 python3 scripts/host_profile.py --out "$OUT" >"$OUT/$TAG-profile.log" 2>&1
+      timeout 240 python3 scripts/host_profile.py --out "$OUT" ${PROFILE_ARGS:-} >"$OUT/$TAG-profile.log" 2>&1
       echo "rc $?"
       cat "$OUT/$TAG-profile.log" ;;
     *) echo "unknown step $s" ;;

@@ -72,6 +72,54 @@ def profile(name: str, fn, n_layers: int, reps: int, out: str | None) -> None:
         st.dump_stats(f"{out}/{name.replace(' ', '_').replace('/', '_')}.prof")
 
 
+def burst_us(fn, n: int = 32) -> float:
+    """Host µs per call of ``fn``: min over 5 bursts of ``n`` calls queued behind a busy GPU."""
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        timing.preload(40)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / n * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+def breakdown(name: str, p, lb) -> None:
+    """plan.run's host time cut into its layers: the whole call, the plan's Python without the
+    backend, the backend's run, the bound launch, and Triton's C launch function alone."""
+    k, v, q, out = lb.base["k_cache"], lb.base["v_cache"], lb.q[0], lb.out[0]
+    p.run(q, k, v, out=out)
+    lp = next(reversed(p.layers.values()))
+    be = lp.backend
+    seen = {}
+    real = be.run
+    be.run = lambda t: (seen.setdefault("t", t), real(t))[1]
+    p.run(q, k, v, out=out)
+    be.run = real
+    t = seen["t"]
+    rows = {"plan.run": lambda: p.run(q, k, v, out=out), "backend.run(t)": lambda: be.run(t)}
+    bound = getattr(be, "_bound", None)
+    if bound:
+        tensors, bases = be._tensors(t), be._bases(t)
+        rows["bound launch"] = lambda: bound(tensors, bases)
+        raw = bound.raw
+        got = {}
+        bound.raw = lambda *a: (got.setdefault("a", a), raw(*a))[1]
+        bound(tensors, bases)
+        bound.raw = raw
+        args = got["a"]
+        print(f"   (raw launch: {len(args)} arguments)")
+        rows["C launch alone"] = lambda: raw(*args)
+    for label, fn in rows.items():
+        print(f"  {name} {label:24s} {burst_us(fn):7.2f} µs")
+    be.run = lambda t: None
+    print(f"  {name} {'plan.run, no backend':24s} {burst_us(lambda: p.run(q, k, v, out=out)):7.2f} µs")
+    be.run = real
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -99,6 +147,8 @@ def main() -> None:
                 for kw in kws:
                     cases.prefill(**kw, backend=be)
 
+            if be == "triton":
+                breakdown(f"{cname} {be}", p, lb)
             profile(f"{cname} {be} plan.run", plan_step, n, a.reps, a.out)
             profile(f"{cname} {be} one-shot", one_shot, n, a.reps, a.out)
 

@@ -8,6 +8,7 @@ names the case where it was set too late.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -30,6 +31,13 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 GRID_LIMIT = 65535  # CUDA's limit of grid dims y and z
 
 
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    """A GPU's compute capability, asked once (the query builds the device's property object: it
+    showed in the host time of every per-layer call that writes the device table)."""
+    return torch.cuda.get_device_capability(index)
+
+
 def unavailable_reason(device: torch.device) -> str | None:
     """Why Triton kernels cannot run on ``device`` (None when they can)."""
     if triton is None:
@@ -37,7 +45,7 @@ def unavailable_reason(device: torch.device) -> str | None:
     if device.type == "cuda":
         if INTERPRETED:
             return None  # the interpreter copies device tensors to the host and back
-        major, minor = torch.cuda.get_device_capability(device)
+        major, minor = _capability(device.index if device.index is not None else torch.cuda.current_device())
         if major < 8:
             return f"the Triton kernels need CUDA compute capability >= 8.0, this GPU has {major}.{minor}"
         return None
@@ -201,7 +209,7 @@ class BoundLaunch:
             return False
         if _jit_knobs() != self.jit_knobs or (self.kernel is not None and self.kernel.pre_run_hooks):
             return False  # (debug or instrumentation turned on since: another compiled kernel)
-        if torch.cuda.current_device() != self.device:
+        if torch._C._cuda_getDevice() != self.device:
             return False
         args = self.template.copy()
         for i, t, aligned in zip(self.tensor_at, tensors, self.aligned):

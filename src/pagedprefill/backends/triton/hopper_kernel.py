@@ -497,7 +497,7 @@ class KVSource:
 
 @gluon.constexpr_function
 def _chunk_layout(cols, vec, warps):
-    """Rows of ``cols`` elements as ``vec``-element (16-byte) chunks, one per thread."""
+    """Rows of ``cols`` elements as ``vec``-element chunks, one per thread."""
     tpc = cols // vec
     return gl.BlockedLayout([1, vec], [32 // tpc, tpc], [warps, 1], [1, 0])
 
@@ -617,11 +617,18 @@ def _widen_rows(block_n, cols, warps):
     return min(block_n, 1024 * warps // cols)
 
 
+@gluon.constexpr_function
+def _widen_vec(cols):
+    return 8 if cols >= 128 else 16
+
+
 @gluon.jit
 def _widen_part(src_buf, dst_buf, COLS: gl.constexpr, geo: Geometry):
     """KV8: the 8-bit tile in src_buf ([BLOCK_N, COLS]) -> dst_buf in the ring's 16-bit dtype, in
-    chunks of rows through registers."""
-    L: gl.constexpr = _chunk_layout(COLS, 16, geo.LOAD_WARPS)
+    chunks of rows through registers. A 16-byte store phase is 8 threads: they must cover one
+    128-byte swizzle row of the 16-bit tile, so 16-bit rows of 256 bytes or more take 8 elements a
+    thread (16 put two threads of a phase on the same banks of two column blocks: 2-way conflicts)."""
+    L: gl.constexpr = _chunk_layout(COLS, _widen_vec(COLS), geo.LOAD_WARPS)
     RCH: gl.constexpr = _widen_rows(geo.BLOCK_N, COLS, geo.LOAD_WARPS)
     for r in gl.static_range(geo.BLOCK_N // RCH):
         x = src_buf.slice(r * RCH, RCH).load(L)
