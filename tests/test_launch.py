@@ -21,8 +21,9 @@ class Recorder:
 
 def bound_for(monkeypatch, tensors, n_desc=2):
     """A BoundLaunch over the argument list [t0, 7, desc0, t1, 2.5, desc1, None] (tensors at 0 and 3,
-    descriptors at 2 and 5 of the kernel arguments), as :func:`launch.bind` lays it out."""
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    descriptors at 2 and 5 of the kernel arguments, over t1 and t0), as :func:`launch.bind` lays it
+    out."""
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
     head = [False, False, None, None, "packed", None, None, None]
     kernel_args = [None, 7, None, None, 2.5, None, None]
@@ -30,42 +31,56 @@ def bound_for(monkeypatch, tensors, n_desc=2):
     n = len(head)
     raw = Recorder()
     aligned = [t.data_ptr() % 16 == 0 for t in tensors]
-    b = launch.BoundLaunch(raw, template, [n, n + 3], aligned, [n + 2, n + 5][:n_desc], [{}] * n_desc, 0, 99, (5, 1, 1))
+    desc_at, desc_base = [n + 2, n + 5][:n_desc], (1, 0)[:n_desc]
+    metas = [{}] * n_desc
+    b = launch.BoundLaunch(raw, template, [n, n + 3], aligned, desc_at, metas, 0, 99, (5, 1, 1), None, desc_base)
     return b, raw, n
+
+
+class Desc:
+    def __init__(self, name, base):
+        self.name, self.base = name, base
+
+    def __str__(self):
+        return self.name
 
 
 def test_bound_launch_passes_addresses_and_expands_descriptors_in_place(monkeypatch):
     t0, t1 = torch.empty(64, dtype=torch.uint8), torch.empty(64, dtype=torch.uint8)
-    k, q = torch.empty(16), torch.empty(16)
     b, raw, n = bound_for(monkeypatch, (t0, t1))
-    assert not b((t0, t1), (k, q))  # descriptors not remembered yet: nothing launched
+    assert not b((t0, t1))  # descriptors not remembered yet: nothing launched
     assert raw.calls == []
     monkeypatch.setattr(launch, "_make_tensordesc_arg", lambda d, meta: [f"map{d}", 10, 20, 1])
-    b.remember((k, q), ("K", "Q"))
-    assert b((t0, t1), (k, q))
+    b.remember((t0, t1), (Desc("K", t1), Desc("Q", t0)))
+    assert b((t0, t1))
     (args,) = raw.calls
     assert args[:5] == (5, 1, 1, 1234, 99)
     kern = list(args[5 + n :])
     assert kern == [t0.data_ptr(), 7, "mapK", 10, 20, 1, t1.data_ptr(), 2.5, "mapQ", 10, 20, 1, None]
-    other_q = torch.empty(16)
-    assert not b((t0, t1), (k, other_q))  # a base address not seen: the caller takes Triton's path
+    assert b((t0, t1)) and raw.calls[1] == raw.calls[0]  # the same addresses: the kept argument tuple
+    assert len(b.calls) == 1 and all(type(a) is not torch.Tensor for a in next(iter(b.calls.values())))
+    other = torch.empty(64, dtype=torch.uint8)
+    assert not b((other, t1))  # a descriptor base address not seen: the caller takes Triton's path
+    assert len(raw.calls) == 2
+    b.remember((t0, t1), (Desc("K2", other), Desc("Q2", other)))  # bases other than the tensors': not kept
+    assert not b((other, t1)) and len(raw.calls) == 2
 
 
 def test_bound_launch_declines_hooks_and_alignment_changes(monkeypatch):
     buf = torch.empty(64, dtype=torch.uint8)
     t0, t1 = buf[:16], buf[16:32]
     b, raw, _ = bound_for(monkeypatch, (t0, t1), n_desc=0)
-    assert b((t0, t1), ())
-    assert not b((buf[1:17], t1), ())  # 16-byte alignment differs from the first launch's
+    assert b((t0, t1))
+    assert not b((buf[1:17], t1))  # 16-byte alignment differs from the first launch's
     hook = launch.triton.knobs.runtime.launch_enter_hook
     if type(hook).__name__ == "HookChain":
         hook.add(print)
         try:
-            assert not b((t0, t1), ())  # a profiler's hook: Triton's own path calls it
+            assert not b((t0, t1))  # a profiler's hook: Triton's own path calls it
         finally:
             hook.remove(print)
-    assert b((t0, t1), ())
+    assert b((t0, t1))
     monkeypatch.setattr(launch.triton.knobs.runtime, "debug", not launch.triton.knobs.runtime.debug)
-    assert not b((t0, t1), ())  # debug turned on since the first launch: another compiled kernel
+    assert not b((t0, t1))  # debug turned on since the first launch: another compiled kernel
     monkeypatch.undo()
     assert len(raw.calls) == 2

@@ -48,16 +48,17 @@ class LayerPlan:
         self.views = None  # (workspace, meta, scratch) of the plan's own workspace, once carved
         self.table_launch: list = [None]  # the device table's launch, bound after its first one
 
-    def check_overlaps(self, named) -> None:
-        """:func:`normalise.check_spans` for this layout's ``(name, tensor)`` pairs, from their
-        addresses and the byte extents their layouts fix (the written ones are out, lse and the
-        workspace); a combination of addresses found disjoint before is not examined again."""
-        ptrs = tuple(t.data_ptr() if t is not None else None for _, t in named)
+    def check_overlaps(self, tensors: tuple, names) -> None:
+        """:func:`normalise.check_spans` for this layout's tensors (``names()`` gives their argument
+        names, in the same order, when needed), from their addresses and the byte extents their
+        layouts fix (the written ones are out, lse and the workspace); a combination of addresses
+        found disjoint before is not examined again."""
+        ptrs = tuple([t.data_ptr() if t is not None else None for t in tensors])
         if ptrs in self.disjoint:
             return
         ext = self.extents
         spans = []
-        for (name, t), lo in zip(named, ptrs):
+        for name, t, lo in zip(names(), tensors, ptrs):
             if t is None:
                 continue
             e = ext.get(name)
@@ -80,13 +81,24 @@ def _layout_key(t: object) -> tuple | None:
         return None
     if not isinstance(t, Tensor):
         return (type(t),)
-    return (t.shape, t.stride(), t.dtype, t.get_device() if t.is_cuda else t.device, t.data_ptr() % 16 == 0)
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15 == 0)
 
 
-def _scale_key(s: object) -> object:
-    if s is None or isinstance(s, Tensor):
-        return _layout_key(s)
-    return type(s)
+def _scales_key(scales: tuple) -> object:
+    q_s, k_s, v_s = scales
+    if q_s is None and k_s is None and v_s is None:
+        return None
+    return tuple(_layout_key(s) if s is None or isinstance(s, Tensor) else type(s) for s in scales)
+
+
+def _vector_tensors(vectors: DeviceVectors | None) -> tuple[tuple, tuple]:
+    """``(names, tensors)`` of the device vectors a run reads (for the overlap check)."""
+    if vectors is None:
+        return (), ()
+    named = [("actual_seq_lens_q", vectors.lens_q), ("actual_seq_lens_kv", vectors.lens_kv)]
+    named += [("kv_indptr", vectors.kv_indptr), ("kv_last_page_len", vectors.kv_last_page_len)]
+    named += [(f"batch_offsets_{n}", t) for n, t in vectors.offsets.items()]
+    return tuple(n for n, _ in named), tuple(t for _, t in named)
 
 
 PLANS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # op id -> plan (pagedprefill.ops)
@@ -119,6 +131,9 @@ class PrefillPlan:
         self.default_return_lse = return_lse
         self.op_id = next(_IDS)
         PLANS[self.op_id] = self
+        self._vector_names, self._vector_tensors = _vector_tensors(vectors)
+        # the plan's page ids when the kernels read them as they are (int32, on the device)
+        self._pages_as_is = pages if workspace.device_pages(seq, pages, device) is pages else None
         self.layers: dict[tuple, LayerPlan] = {}
         self.meta: Tensor | None = None
         self._copy_event = None
@@ -140,12 +155,12 @@ class PrefillPlan:
             _layout_key(k),
             _layout_key(v),
             _layout_key(out),
-            _layout_key(lse),
-            tuple(_scale_key(s) for s in scales),
-            _layout_key(sinks),
+            None if lse is None else _layout_key(lse),
+            _scales_key(scales),
+            None if sinks is None else _layout_key(sinks),
             return_lse,
             ws.numel(),
-            ws.data_ptr() % 16 == 0,  # (the device table is carved from its first bytes)
+            ws.data_ptr() & 15 == 0,  # (the device table is carved from its first bytes)
         )
         lp = self.layers.get(key)
         if lp is None:
@@ -234,24 +249,22 @@ class PrefillPlan:
         lse_user = None
         if lp.return_lse:
             lse_user = lse if lse is not None else torch.full(lp.lse_shape, -math.inf, dtype=torch.float32, device=dev)
-        named = [
-            ("q", q),
-            ("k_cache", k),
-            ("v_cache", v),
-            ("out", out),
-            ("lse", lse_user),
-            ("workspace_buffer", ws),
-            ("block_tables" if self.seq.pages == "table" else "kv_indices", pages),
-            ("sinks", sinks),
-        ]
-        if vectors is not None:
-            named += [("actual_seq_lens_q", vectors.lens_q), ("actual_seq_lens_kv", vectors.lens_kv)]
-            named += [("kv_indptr", vectors.kv_indptr), ("kv_last_page_len", vectors.kv_last_page_len)]
-            named += [(f"batch_offsets_{n}", t) for n, t in vectors.offsets.items()]
         scaled = scales[0] is not None or scales[1] is not None or scales[2] is not None
+        if vectors is self.vectors:
+            vec_names, vec_tensors = self._vector_names, self._vector_tensors
+        else:
+            vec_names, vec_tensors = _vector_tensors(vectors)
+        tensors = (q, k, v, out, lse_user, ws, pages, sinks, *vec_tensors)
         if scaled:
-            named += [(n, s) for n, s in zip(("q_scale", "k_scale", "v_scale"), scales) if isinstance(s, Tensor)]
-        lp.check_overlaps(named)
+            tensors += tuple(s for s in scales if isinstance(s, Tensor))
+
+        def names() -> tuple:
+            page_name = "block_tables" if self.seq.pages == "table" else "kv_indices"
+            fixed = ("q", "k_cache", "v_cache", "out", "lse", "workspace_buffer", page_name, "sinks")
+            sn = (n for n, s in zip(("q_scale", "k_scale", "v_scale"), scales) if isinstance(s, Tensor))
+            return fixed + vec_names + (tuple(sn) if scaled else ())
+
+        lp.check_overlaps(tensors, names)
         if batch.empty:
             dispatch.set_last(lp.name)
             return out, lse_user
@@ -278,7 +291,7 @@ class PrefillPlan:
                 out,
                 lse_user.view(-1) if lse_user is not None else None,
                 meta,
-                workspace.device_pages(self.seq, pages, dev),
+                pages if pages is self._pages_as_is else workspace.device_pages(self.seq, pages, dev),
                 q_s,
                 k_s,
                 v_s,

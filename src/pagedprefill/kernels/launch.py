@@ -158,9 +158,11 @@ def fast_launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
 
 class BoundLaunch:
     """One compiled kernel whose non-tensor arguments are fixed (a plan's layout): a call passes only
-    its tensors' addresses straight to Triton's C launcher, skipping the argument binding, the
-    specialisation key, the per-pointer driver queries and the per-call encoding of TMA descriptors
-    (each is encoded once per base address and kept, at most ``DESC_CACHE``; no tensor is held).
+    its tensors' addresses straight to Triton's C launch function, skipping the argument binding,
+    the specialisation key, the per-pointer driver queries and the per-call encoding of TMA
+    descriptors (each is encoded once per base address and kept, at most ``DESC_CACHE``; no tensor
+    is held). The argument list of each combination of addresses seen is kept too (at most
+    ``CALL_CACHE``: ints only), so a layer run again with the same tensors costs one tuple lookup.
 
     Built by :func:`bind` from a first launch through Triton. A call returns False (nothing launched)
     where this path does not apply at the time (launch hooks set, another current device, descriptor
@@ -168,6 +170,7 @@ class BoundLaunch:
     :meth:`remember` with the descriptors."""
 
     DESC_CACHE = 1024  # (an 80-layer model with four descriptors per layer: 320)
+    CALL_CACHE = 512
 
     __slots__ = (
         "raw",
@@ -179,31 +182,38 @@ class BoundLaunch:
         "device",
         "function",
         "descs",
+        "calls",
+        "desc_base",
         "grid",
         "kernel",
         "jit_knobs",
     )
 
-    def __init__(self, raw, template, tensor_at, aligned, desc_at, desc_meta, device, function, grid, kernel=None):
+    def __init__(
+        self, raw, template, tensor_at, aligned, desc_at, desc_meta, device, function, grid, kernel=None, desc_base=()
+    ):
         self.raw, self.template, self.tensor_at, self.aligned = raw, template, tensor_at, aligned
-        self.desc_at = desc_at
+        self.desc_at, self.desc_base = desc_at, tuple(desc_base)  # (desc_base: each one's base tensor's index)
         self.desc_meta, self.device, self.function, self.grid = desc_meta, device, function, grid
         self.descs: dict = {}
+        self.calls: dict = {}  # the tensors' addresses -> the full argument tuple
         self.kernel = kernel  # (its pre-run hooks, when set later, need Triton's path)
         self.jit_knobs = _jit_knobs()
 
-    def remember(self, bases: tuple, descs: tuple) -> None:
+    def remember(self, tensors: tuple, descs: tuple) -> None:
         """Keep the encoding of ``descs`` (the kernel's TMA descriptors, in order) for calls whose
-        descriptor base tensors have the addresses of ``bases``."""
+        descriptor base tensors (``tensors[desc_base[j]]``) have the addresses they have here."""
         if len(self.descs) + len(descs) > self.DESC_CACHE:
             self.descs.clear()
-        for j, (b, d) in enumerate(zip(bases, descs)):
-            self.descs[(j, b.data_ptr())] = _make_tensordesc_arg(d, self.desc_meta[j])
+        for j, d in enumerate(descs):
+            ptr = tensors[self.desc_base[j]].data_ptr()
+            if d.base.data_ptr() == ptr:  # (else never kept: such calls keep taking Triton's path)
+                self.descs[(j, ptr)] = _make_tensordesc_arg(d, self.desc_meta[j])
 
-    def __call__(self, tensors: tuple, bases: tuple) -> bool:
+    def __call__(self, tensors: tuple) -> bool:
         """Launch with ``tensors`` (the kernel's tensor arguments, in order, each in the layout of the
-        first launch's) and the descriptors remembered for ``bases`` (their base tensors, in order);
-        False, launching nothing, where one was not remembered."""
+        first launch's) and the descriptors remembered for their base tensors' addresses; False,
+        launching nothing, where one was not remembered."""
         rt = triton.knobs.runtime
         if _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook):
             return False
@@ -211,22 +221,37 @@ class BoundLaunch:
             return False  # (debug or instrumentation turned on since: another compiled kernel)
         if torch._C._cuda_getDevice() != self.device:
             return False
-        args = self.template.copy()
-        for i, t, aligned in zip(self.tensor_at, tensors, self.aligned):
-            p = t.data_ptr()
-            if ((p & 15) == 0) != aligned:  # (Triton specialises pointers on 16-byte alignment)
+        ptrs = tuple(map(_DATA_PTR, tensors))
+        args = self.calls.get(ptrs)
+        if args is None:
+            args = self._assemble(ptrs)
+            if args is None:
                 return False
+        g = self.grid
+        self.raw(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(self.device), self.function, *args)
+        return True
+
+    def _assemble(self, ptrs: tuple) -> tuple | None:
+        """The argument tuple for these addresses (kept), or None where an address's 16-byte
+        alignment differs from the first launch's or a descriptor base was not remembered."""
+        args = self.template.copy()
+        for i, p, aligned in zip(self.tensor_at, ptrs, self.aligned):
+            if ((p & 15) == 0) != aligned:  # (Triton specialises pointers on 16-byte alignment)
+                return None
             args[i] = p
         for j in range(len(self.desc_at) - 1, -1, -1):  # (last first: each expands in place)
-            enc = self.descs.get((j, bases[j].data_ptr()))
+            enc = self.descs.get((j, ptrs[self.desc_base[j]]))
             if enc is None:
-                return False
+                return None
             i = self.desc_at[j]
             args[i : i + 1] = enc
-        g = self.grid
-        stream = torch._C._cuda_getCurrentRawStream(self.device)
-        self.raw(g[0], g[1], g[2], stream, self.function, *args)
-        return True
+        if len(self.calls) >= self.CALL_CACHE:
+            self.calls.clear()
+        out = self.calls[ptrs] = tuple(args)
+        return out
+
+
+_DATA_PTR = torch.Tensor.data_ptr
 
 
 def _jit_knobs() -> tuple:
@@ -253,11 +278,12 @@ def _raw_launcher(compiled):
     return fn, runner
 
 
-def bind(kernel, grid: tuple, args: tuple, kwargs: dict) -> BoundLaunch | None:
+def bind(kernel, grid: tuple, args: tuple, kwargs: dict, desc_base: tuple = ()) -> BoundLaunch | None:
     """Launch ``kernel[grid](*args, **kwargs)`` through Triton and return a :class:`BoundLaunch` for
     later calls with the same non-tensor arguments (None where that cannot apply: the interpreter,
     another Triton, hooks, a callable grid, arguments other than tensors, numbers, None and
-    descriptors)."""
+    descriptors). ``desc_base``: for each descriptor argument, in order, the index among the tensor
+    arguments of its base tensor (a descriptor over any other tensor cannot be bound)."""
     if _tritons_own_path(kernel, grid):
         kernel[grid](*args, **kwargs)
         return None
@@ -298,7 +324,13 @@ def bind(kernel, grid: tuple, args: tuple, kwargs: dict) -> BoundLaunch | None:
         device = triton.runtime.driver.active.get_current_device()
         grid3 = (*grid, 1, 1)[:3]
         fn = compiled.function
-        return BoundLaunch(raw, template, tensor_at, aligned, desc_at, desc_meta, device, fn, grid3, kernel)
+        tensors = [a for a in full if isinstance(a, torch.Tensor)]
+        descs = [a for a in full if TensorDescriptor is not None and type(a) is TensorDescriptor]
+        if len(desc_base) != len(descs) or any(
+            d.base.data_ptr() != tensors[i].data_ptr() for d, i in zip(descs, desc_base)
+        ):
+            return None
+        return BoundLaunch(raw, template, tensor_at, aligned, desc_at, desc_meta, device, fn, grid3, kernel, desc_base)
     except Exception:  # pragma: no cover - Triton internals other than those checked
         return None
 

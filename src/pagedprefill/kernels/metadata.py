@@ -273,7 +273,7 @@ def device_table_triton(
     lkv = lens_kv if lens_kv is not None else lens_q
     ip = indptr if indptr is not None else lens_q
     lp = last if last is not None else lens_q
-    if bound is not None and bound[0] and bound[0]((meta, lens_q, lkv, *vecs, ip, lp), ()):
+    if bound is not None and bound[0] and bound[0]((meta, lens_q, lkv, *vecs, ip, lp)):
         return
     strides = [offsets[k].stride(0) if offsets.get(k) is not None else 0 for k in names]
     args = (

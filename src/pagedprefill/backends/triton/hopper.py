@@ -405,24 +405,25 @@ class HopperPlan:
             t.v_scale if t.v_scale is not None else meta,
         )
 
-    def _bases(self, t: CallTensors) -> tuple:
-        """The base tensors of the descriptors the bound kernel takes, in order."""
-        return tuple(b for b, present in zip((t.k, t.k, t.v, t.v, t.q), self._descs_present) if present)
+    def _desc_bases(self) -> tuple:
+        """For each descriptor the bound kernel takes, in order, its base tensor's index among
+        :meth:`_tensors` (K, K's second part, V, V's second part, Q)."""
+        return tuple(i for i, present in zip((1, 1, 2, 2, 0), self._descs_present) if present)
 
     def run(self, t: CallTensors) -> None:
         if self.dynamic:
             t.scratch[:4].zero_()
         bound = self._bound
-        if bound is not None and bound(self._tensors(t), self._bases(t)):
+        if bound is not None and bound(self._tensors(t)):
             return
         ((kernel, grid, args, kwargs),) = self.launches(t)
         descs = args[DESC_ARGS]
         if not self._bind_tried:
             self._bind_tried = True
             self._descs_present = tuple(d is not None for d in descs)
-            bound = self._bound = bind(kernel, grid, args, kwargs)
+            bound = self._bound = bind(kernel, grid, args, kwargs, self._desc_bases())
         else:
             fast_launch(kernel, grid, args, kwargs)
         if bound is not None and tuple(d is not None for d in descs) == self._descs_present:
             # (a call whose descriptors differ from the bound launch's is never remembered for it)
-            bound.remember(self._bases(t), tuple(d for d in descs if d is not None))
+            bound.remember(self._tensors(t), tuple(d for d in descs if d is not None))
