@@ -103,12 +103,12 @@ def breakdown(name: str, p, lb) -> None:
     rows = {"plan.run": lambda: p.run(q, k, v, out=out), "backend.run(t)": lambda: be.run(t)}
     bound = getattr(be, "_bound", None)
     if bound:
-        tensors, bases = be._tensors(t), be._bases(t)
-        rows["bound launch"] = lambda: bound(tensors, bases)
+        tensors = be._tensors(t)
+        rows["bound launch"] = lambda: bound(tensors)
         raw = bound.raw
         got = {}
         bound.raw = lambda *a: (got.setdefault("a", a), raw(*a))[1]
-        bound(tensors, bases)
+        bound(tensors)
         bound.raw = raw
         args = got["a"]
         print(f"   (raw launch: {len(args)} arguments)")

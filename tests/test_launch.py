@@ -84,3 +84,26 @@ def test_bound_launch_declines_hooks_and_alignment_changes(monkeypatch):
     assert not b((t0, t1))  # debug turned on since the first launch: another compiled kernel
     monkeypatch.undo()
     assert len(raw.calls) == 2
+
+
+def test_launch_slot_binds_once_and_keys_what_else_the_binding_depends_on(monkeypatch):
+    made, fast = [], []
+
+    class Bound:
+        def __call__(self, tensors):
+            made.append(tensors)
+            return True
+
+    monkeypatch.setattr(launch, "bind", lambda kernel, grid, args, kwargs: Bound())
+    monkeypatch.setattr(launch, "fast_launch", lambda kernel, grid, args, kwargs: fast.append(args))
+    slot = launch.LaunchSlot()
+    assert not slot.launch(("t",), 3)  # not bound yet: the caller launches through Triton
+    slot.run("kernel", (1,), ("a",), {}, 3)
+    assert slot.launch(("t",), 3) and made == [("t",)]
+    assert not slot.launch(("t",), 4)  # bound with another key: Triton's path
+    slot.run("kernel", (1,), ("b",), {}, 4)
+    assert fast == [("b",)] and slot.key == 3  # (bound once; later launches through fast_launch)
+    unbindable = launch.LaunchSlot()
+    monkeypatch.setattr(launch, "bind", lambda kernel, grid, args, kwargs: None)
+    unbindable.run("kernel", (1,), ("c",), {})
+    assert unbindable.bound is False and not unbindable.launch(("t",))

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from pagedprefill import dispatch, normalise, workspace
 from pagedprefill.batch import CallTensors, DeviceVectors, PrefillBatch, Sequences, fail
+from pagedprefill.kernels.launch import LaunchSlot
 
 
 class LayerPlan:
@@ -46,7 +47,7 @@ class LayerPlan:
         self.extents: dict[str, int] = {}  # argument name -> bytes its elements span (the layout fixes it)
         self.disjoint: set[tuple] = set()  # address combinations checked (the names come in one order)
         self.views = None  # (workspace, meta, scratch) of the plan's own workspace, once carved
-        self.table_launch: list = [None]  # the device table's launch, bound after its first one
+        self.table_launch = LaunchSlot()  # the device table's launch, bound after its first one
 
     def check_overlaps(self, tensors: tuple, names) -> None:
         """:func:`normalise.check_spans` for this layout's tensors (``names()`` gives their argument

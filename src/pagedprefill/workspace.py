@@ -69,12 +69,12 @@ def bounds(batch: PrefillBatch, vecs: DeviceVectors, num_indices: int) -> Bounds
     )
 
 
-def write_device_table(bd: Bounds, vecs: DeviceVectors, meta: Tensor, bound: list | None = None) -> None:
+def write_device_table(bd: Bounds, vecs: DeviceVectors, meta: Tensor, slot: launch.LaunchSlot | None = None) -> None:
     """Fill ``meta`` from device vectors without a host sync (one Triton launch where Triton runs;
-    ``bound``: see :func:`~pagedprefill.kernels.metadata.device_table_triton`)."""
+    ``slot``: see :func:`~pagedprefill.kernels.metadata.device_table_triton`)."""
     args = (bd, vecs.lens_q, vecs.lens_kv, vecs.offsets, vecs.kv_indptr, vecs.kv_last_page_len, meta)
     if meta.is_cuda and launch.unavailable_reason(meta.device) is None:
-        device_table_triton(*args, bound=bound)
+        device_table_triton(*args, slot=slot)
     else:
         device_table_torch(*args)
 

@@ -335,6 +335,30 @@ def bind(kernel, grid: tuple, args: tuple, kwargs: dict, desc_base: tuple = ()) 
         return None
 
 
+class LaunchSlot:
+    """Where a caller keeps a launch bound to one layout's fixed arguments: :meth:`launch` tries the
+    bound launch, :meth:`bind` makes it at the first launch through Triton (``key``: whatever else
+    the binding depends on; a call with another key takes Triton's path)."""
+
+    __slots__ = ("bound", "key")
+
+    def __init__(self):
+        self.bound: BoundLaunch | None | bool = None  # None: not tried yet; False: not bindable
+        self.key = None
+
+    def launch(self, tensors: tuple, key=None) -> bool:
+        """Launch through the bound launch (see :meth:`BoundLaunch.__call__`); False where none applies."""
+        b = self.bound
+        return bool(b) and self.key == key and b(tensors)
+
+    def run(self, kernel, grid: tuple, args: tuple, kwargs: dict, key=None) -> None:
+        """The launch through Triton: bound the first time, else :func:`fast_launch`."""
+        if self.bound is None:
+            self.bound, self.key = bind(kernel, grid, args, kwargs) or False, key
+        else:
+            fast_launch(kernel, grid, args, kwargs)
+
+
 def _make_tensordesc_arg(d, meta) -> list:
     from triton.backends.nvidia.driver import make_tensordesc_arg
 

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from pagedprefill.batch import INT32_MAX
-from pagedprefill.kernels.launch import bind, fast_launch, triton
+from pagedprefill.kernels.launch import LaunchSlot, fast_launch, triton
 
 if triton is not None:
     import triton.language as tl
@@ -258,12 +258,12 @@ else:
 
 
 def device_table_triton(
-    bounds: Bounds, lens_q, lens_kv, offsets, indptr, last, meta: Tensor, bound: list | None = None
+    bounds: Bounds, lens_q, lens_kv, offsets, indptr, last, meta: Tensor, slot: LaunchSlot | None = None
 ) -> None:
     """:func:`device_table_torch` as one Triton launch (Triton must run on meta's device).
 
-    ``bound``: a one-slot list the caller keeps for calls whose bounds and vector layouts are fixed
-    (a plan's layout); it holds the launch bound to them (:func:`launch.bind`) after the first call."""
+    ``slot``: kept by the caller for calls whose bounds and vector layouts are fixed (a plan's
+    layout): the launch bound to them after the first call."""
     bd = bounds
     n = meta.shape[1]
     if n == 0:
@@ -273,7 +273,7 @@ def device_table_triton(
     lkv = lens_kv if lens_kv is not None else lens_q
     ip = indptr if indptr is not None else lens_q
     lp = last if last is not None else lens_q
-    if bound is not None and bound[0] and bound[0]((meta, lens_q, lkv, *vecs, ip, lp)):
+    if slot is not None and slot.launch((meta, lens_q, lkv, *vecs, ip, lp)):
         return
     strides = [offsets[k].stride(0) if offsets.get(k) is not None else 0 for k in names]
     args = (
@@ -315,7 +315,7 @@ def device_table_triton(
         BLOCK=1024,
         num_warps=4,
     )
-    if bound is not None and bound[0] is None:
-        bound[0] = bind(_metadata_kernel, (1,), args, kwargs) or False  # (False: tried, not bindable)
+    if slot is not None:
+        slot.run(_metadata_kernel, (1,), args, kwargs)
     else:
         fast_launch(_metadata_kernel, (1,), args, kwargs)

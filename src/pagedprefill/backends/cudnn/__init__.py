@@ -96,7 +96,7 @@ class CudnnPlan:
         self.fix = h is None or (spec is not None and prepare.skipped_rows(spec, h.lens_q, h.lens_kv))
         self._views: tuple | None = None
         self._static: tuple | None = None
-        self._prepare_launch: list = [None, None]  # the preparation's launch, bound to this graph
+        self._prepare_launch = launch.LaunchSlot()  # the preparation's launch, bound to this graph
         self.triton = (
             batch.device.type == "cuda"
             and launch.unavailable_reason(batch.device) is None
@@ -219,7 +219,7 @@ class CudnnPlan:
                 if isinstance(got, str):
                     raise RuntimeError(f"backend='cudnn' cannot serve this call: {got}")
                 self.graph, self._views, self._static = got, None, None
-                self._prepare_launch = [None, None]
+                self._prepare_launch = launch.LaunchSlot()
                 self.workspace_bytes = got.layout.total
                 plan = got
         return plan

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pagedprefill.kernels.launch import bind, fast_launch, triton
+from pagedprefill.kernels.launch import LaunchSlot, fast_launch, triton
 
 from .graph import GraphSpec, ScratchLayout
 
@@ -194,12 +194,25 @@ else:
 
 
 def prepare_triton(
-    spec, layout, ints, table, meta, pages, out, lse, sinks, batch_size, num_indices, fix, max_q, bound=None
+    spec,
+    layout,
+    ints,
+    table,
+    meta,
+    pages,
+    out,
+    lse,
+    sinks,
+    batch_size,
+    num_indices,
+    fix,
+    max_q,
+    slot: LaunchSlot | None = None,
 ):
     """Metadata rows 0..6, the page table and (``fix``) the rows without keys, in one launch.
 
-    ``bound``: a two-slot list the caller keeps for calls of one layout: the launch bound to its fixed
-    arguments (:func:`launch.bind`) after the first call, and the ``num_indices`` it was bound with."""
+    ``slot``: a :class:`~pagedprefill.kernels.launch.LaunchSlot` the caller keeps for calls of one
+    layout: the launch bound to its fixed arguments (and ``num_indices``) after the first call."""
     tensors = (
         meta,
         ints,
@@ -209,7 +222,7 @@ def prepare_triton(
         lse if lse is not None else meta,
         sinks if sinks is not None else meta,
     )
-    if bound is not None and bound[0] and bound[1] == num_indices and bound[0](tensors, ()):
+    if slot is not None and slot.launch(tensors, num_indices):
         return
     block_d = triton.next_power_of_2(spec.head_dim_vo)
     block_h = max(1, min(triton.next_power_of_2(spec.num_qo_heads), 4096 // block_d))
@@ -250,8 +263,8 @@ def prepare_triton(
         BLOCK_H=block_h,
         num_warps=4,
     )
-    if bound is not None and bound[0] is None:
-        bound[0], bound[1] = bind(_prepare_kernel, grid, args, kwargs) or False, num_indices
+    if slot is not None:
+        slot.run(_prepare_kernel, grid, args, kwargs, num_indices)
     else:
         fast_launch(_prepare_kernel, grid, args, kwargs)
 
