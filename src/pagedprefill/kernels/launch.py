@@ -337,8 +337,8 @@ def bind(kernel, grid: tuple, args: tuple, kwargs: dict, desc_base: tuple = ()) 
 
 class LaunchSlot:
     """Where a caller keeps a launch bound to one layout's fixed arguments: :meth:`launch` tries the
-    bound launch, :meth:`bind` makes it at the first launch through Triton (``key``: whatever else
-    the binding depends on; a call with another key takes Triton's path)."""
+    bound launch, :meth:`run` launches through Triton and binds at the first such launch (``key``:
+    whatever else the binding depends on; a call with another key takes Triton's path)."""
 
     __slots__ = ("bound", "key")
 
