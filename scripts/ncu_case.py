@@ -17,26 +17,11 @@ import pagedprefill
 from pagedprefill import workloads as wl
 
 
-def case(name: str, dev: torch.device) -> dict:
-    base, _, kind = name.partition(":")
-    w = wl.get_workload(base)
-    if kind in ("fp8kv", "bf16"):
-        kw = wl.build_case(w, dev, dtype=torch.bfloat16, seed=0, fp8=False)
-        kw = wl.quantize_case(kw, "fp8_kv") if kind == "fp8kv" else kw
-    elif kind:
-        raise SystemExit(f"unknown workload suffix {kind!r} (expected fp8kv or bf16)")
-    else:
-        kw = wl.build_case(w, dev, dtype=torch.bfloat16, seed=0)
-    kw.pop("lse", None)
-    kw["return_lse"] = False
-    return kw
-
-
 def main() -> int:
     dev = torch.device("cuda")
     calls = []
     for name in sys.argv[1:]:
-        kw = case(name, dev)
+        kw = wl.named_case(name, dev)
         call = lambda kw=kw: pagedprefill.cudnn_batch_prefill_with_kv_cache(**kw, backend="triton")  # noqa: E731
         for _ in range(3):
             call()

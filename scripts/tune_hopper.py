@@ -34,17 +34,8 @@ def main() -> int:
     cfg = timing.TimingConfig()
     dev = torch.device("cuda")
     for name in names:
-        base, _, kind = name.partition(":")
-        w = wl.get_workload(base)
-        kw = wl.build_case(w, dev, dtype=torch.bfloat16, seed=0)
-        if kind in ("fp8kv", "bf16"):
-            kw = wl.build_case(w, dev, dtype=torch.bfloat16, seed=0, fp8=False)
-            kw = wl.quantize_case(kw, "fp8_kv") if kind == "fp8kv" else kw
-        elif kind:
-            raise SystemExit(f"unknown workload suffix {kind!r} (expected fp8kv or bf16)")
-        kw.pop("lse", None)
-        kw["return_lse"] = False
-        tf = wl.flops(w) / 1e9
+        kw = wl.named_case(name, dev)
+        tf = wl.flops(wl.get_workload(name.partition(":")[0])) / 1e9
         ref = None
         for backend, knobs in [("cudnn", {})] + [("triton", s) for _ in range(rounds) for s in sets]:
             with tuning.override("hopper", **knobs):

@@ -157,6 +157,18 @@ def test_fp8_builders_store_value_over_half_with_half_scales(name):
     assert dense["k"].dtype == e4m3 and dense["k_scale"] == 0.5
 
 
+def test_named_case_suffixes():
+    e4m3 = torch.float8_e4m3fn
+    plain = wl.named_case("cpu_b2_q64_p64", "cpu", seed=5)
+    assert plain["k_cache"].dtype == torch.bfloat16 and "lse" not in plain and plain["return_lse"] is False
+    kv8 = wl.named_case("cpu_b2_q64_p64:fp8kv", "cpu", seed=5)
+    assert kv8["k_cache"].dtype == e4m3 and kv8["q"].dtype == torch.bfloat16 and torch.equal(kv8["q"], plain["q"])
+    wide = wl.named_case("cpu_fp8_b2_q64:bf16", "cpu")
+    assert wide["q"].dtype == wide["k_cache"].dtype == torch.bfloat16 and "q_scale" not in wide
+    with pytest.raises(ValueError, match="suffix 'fp4'"):
+        wl.named_case("cpu_b2_q64_p64:fp4", "cpu")
+
+
 def test_build_case_layout_and_dense_inputs():
     w = wl.get_workload("cpu_varlen_b4_noncausal")
     case = wl.build_case(w, "cpu", seed=3)
