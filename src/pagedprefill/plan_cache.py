@@ -37,8 +37,9 @@ def _vector(t: object) -> tuple | None:
         return ()
     if not isinstance(t, Tensor):
         return None
-    if t.device.type != "cpu":
-        return ("dev", t.shape, t.stride(), t.dtype, t.device)
+    dev = t.device
+    if dev.type != "cpu":
+        return ("dev", t.shape, t.stride(), t.dtype, dev)
     if t.dim() not in (1, 4) or t.dtype not in (torch.int32, torch.int64):
         return None
     try:
@@ -60,10 +61,13 @@ def _scale(s: object) -> tuple | None:
 def signature(tensors: tuple, vectors: tuple, scales: tuple, scalars: tuple) -> tuple | None:
     """The key of a call, or None when it must take the full path (an argument of an unexpected type,
     a CPU scale tensor, or a call under CUDA stream capture with host lengths)."""
-    parts = [tuple(_layout(t) for t in tensors), tuple(_vector(t) for t in vectors), tuple(_scale(s) for s in scales)]
-    for p in parts:
-        if None in p:
-            return None
+    parts = (
+        tuple([() if t is None else _layout(t) for t in tensors]),
+        tuple([() if t is None else _vector(t) for t in vectors]),
+        tuple([() if s is None else _scale(s) for s in scales]),
+    )
+    if None in parts[0] or None in parts[1] or None in parts[2]:
+        return None
     return (*parts, scalars, threading.get_ident(), tuning.generation)
 
 
