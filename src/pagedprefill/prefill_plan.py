@@ -134,7 +134,7 @@ class PrefillPlan:
         PLANS[self.op_id] = self
         self._vector_names, self._vector_tensors = _vector_tensors(vectors)
         # the plan's page ids when the kernels read them as they are (int32, on the device)
-        self._pages_as_is = pages if workspace.device_pages(seq, pages, device) is pages else None
+        self._pages_as_is = pages if pages is not None and workspace.pages_as_is(seq, pages, device) else None
         self.layers: dict[tuple, LayerPlan] = {}
         self.meta: Tensor | None = None
         self._copy_event = None

@@ -100,13 +100,19 @@ def check_size(ws: Tensor, need_meta: int, need_backend: int, backend: str) -> N
         )
 
 
+def pages_as_is(seq: Sequences, pages: Tensor, device: torch.device) -> bool:
+    """Whether the kernels read ``pages`` as it is (int32 on the device; CSR indices contiguous)."""
+    same = pages.dtype == torch.int32 and pages.device.type == device.type
+    return same and (seq.pages == "table" or pages.is_contiguous())
+
+
 def device_pages(seq: Sequences, pages: Tensor | None, device: torch.device) -> Tensor | None:
     """The int32 page ids on the device that the kernels read: the caller's int32 device tensor as it
     is, else a converted copy (made at every run: the contents may change between runs)."""
-    if pages is None:
-        return None
+    if pages is None or pages_as_is(seq, pages, device):
+        return pages
     if pages.dtype == torch.int32 and pages.device.type == device.type:
-        return pages if seq.pages == "table" or pages.is_contiguous() else pages.contiguous()
+        return pages.contiguous()
     if pages.device.type == "cpu" and device.type == "cuda":
         return pages.to(torch.int32).contiguous().pin_memory().to(device, non_blocking=True)
     return pages.to(device=device, dtype=torch.int32).contiguous()
