@@ -60,7 +60,7 @@ def _scale(s: object) -> tuple | None:
 
 def signature(tensors: tuple, vectors: tuple, scales: tuple, scalars: tuple) -> tuple | None:
     """The key of a call, or None when it must take the full path (an argument of an unexpected type,
-    a CPU scale tensor, or a call under CUDA stream capture with host lengths)."""
+    or a CPU scale tensor)."""
     parts = (
         tuple([() if t is None else _layout(t) for t in tensors]),
         tuple([() if t is None else _vector(t) for t in vectors]),

@@ -352,7 +352,8 @@ class LaunchSlot:
         return bool(b) and self.key == key and b(tensors)
 
     def run(self, kernel, grid: tuple, args: tuple, kwargs: dict, key=None) -> None:
-        """The launch through Triton: bound the first time, else :func:`fast_launch`."""
+        """The launch through Triton: bound the first time, else :func:`fast_launch` (kernels without
+        TMA descriptors: one with descriptors is never bound here, see :func:`bind`'s ``desc_base``)."""
         if self.bound is None:
             self.bound, self.key = bind(kernel, grid, args, kwargs) or False, key
         else:
