@@ -9,6 +9,7 @@ CUDA-graph replays with new lengths, and the default routing.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import random
 import subprocess
@@ -417,6 +418,36 @@ def test_gpu_tile_boundaries(group, dqk, knobs, monkeypatch):
         device="cuda",
     )
     check_forced(case, **knobs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slope", [0.004, 0.03, 0.3, -0.03])
+@pytest.mark.parametrize("dqk, kv8", [(128, False), (96, False), (256, False), (128, True)])
+def test_gpu_running_max_grows_across_tiles(slope, dqk, kv8):
+    """Logits that rise (or fall) along the keys: each row's running max grows by a little per tile
+    (kept stale until it passes 2^8 of headroom, then O is rescaled) or by a lot (every tile rescales),
+    one row block of noise on top; D 96 rescales two accumulators; 8-bit K/V on float16 GEMMs."""
+    lens_kv = [1500, 333]
+    case = make_case(
+        77 + dqk,
+        lens_q=[300, 333],
+        lens_kv=lens_kv,
+        hq=6,
+        hkv=2,
+        dqk=dqk,
+        page_size=0,
+        dtype=BF16,
+        kv_dtype=torch.float8_e4m3fn if kv8 else None,
+        causal=True,
+        device="cuda",
+    )
+    kw = case.kwargs
+    kw["q"][..., 0] = 4.0
+    ramp = torch.cat([torch.arange(n, device="cuda") for n in lens_kv]).float() * slope * math.sqrt(dqk) / 4.0
+    k = kw["k_cache"]
+    scale = float(kw["k_scale"]) if kv8 else 1.0
+    k[:, :, 0] = (ramp[:, None] / scale).clamp(-400, 400).to(k.dtype)  # (ragged rows: sequences packed)
+    check_forced(case)
 
 
 @pytest.mark.gpu
