@@ -91,7 +91,7 @@ def test_what_it_serves(kw, served):
 
 def test_config_picks_wide_tiles_by_shape():
     """128 x 128 tiles on two consumers (``WIDE``) exactly where they measured faster: D = 128 with
-    TMA-eligible K/V, and non-causal, pages of >= 64 tokens or max_kv >= 4 * max_q; static rounds for
+    TMA-eligible K/V, and pages of >= 64 tokens or max_kv >= 4 * max_q; static rounds for
     prompts of <= 1024 tokens and chunked prefill; a knob replaces the choice."""
     static = dataclasses.replace(hp.DEFAULT, dynamic=0)
     wide = dataclasses.replace(static, **hp.WIDE)
@@ -101,9 +101,9 @@ def test_config_picks_wide_tiles_by_shape():
         return hp.config(batch_of(make_case(1, **{**base, **kw})))
 
     assert cfg() == static  # causal, pages of 16, max_kv = 20 < 4 * 7, max_q <= 1024
-    assert cfg(causal=False) == wide
-    assert cfg(page_size=64) == wide
-    assert cfg(page_size=0, causal=False) == wide
+    assert cfg(causal=False) == static
+    assert cfg(page_size=64) == wide and cfg(page_size=64, causal=False) == wide
+    assert cfg(page_size=0, causal=False) == static and cfg(page_size=0, lens_kv=[9, 28]) == wide
     assert cfg(lens_q=[7], lens_kv=[28]) == wide and cfg(lens_q=[8], lens_kv=[31]) == static
     assert cfg(lens_q=[2048], lens_kv=[8191]) == hp.DEFAULT and cfg(lens_q=[2048], lens_kv=[8192]) == wide
     assert cfg(lens_q=[1025], lens_kv=[2048], dqk=64) == hp.DEFAULT
@@ -112,7 +112,9 @@ def test_config_picks_wide_tiles_by_shape():
     d256 = dataclasses.replace(static, **hp.D256)
     assert cfg(dqk=256) == d256 and cfg(causal=False, dqk=256) == d256 and cfg(page_size=64, dqk=256) == d256
     with tuning.override("hopper", wide=0, chunk=2):
-        assert cfg(causal=False) == dataclasses.replace(static, chunk=2)
+        assert cfg(page_size=64) == dataclasses.replace(static, chunk=2)
+    with tuning.override("hopper", wide=1):
+        assert cfg(causal=False) == wide
 
 
 def test_stages_fit_shared_memory():
