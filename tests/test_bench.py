@@ -786,3 +786,33 @@ def test_gpu_serving_smoke(tmp_path, capsys):
             continue
         assert r["p50_ms"] > 0 and r["gpu_p50_ms"] > 0 and r["ok"] is True, r
         assert r["mem_end_mib"] > 0 and r["mem_growth_mib"] < 64, r
+
+
+def test_backends_are_timed_in_turn(monkeypatch):
+    """Each workload's backends are timed round by round, in turn (so that a drift of the GPU's clocks
+    reaches every backend alike), and each row reads the median of its rounds; a call that fails while
+    timed marks its own row only."""
+    order: list[str] = []
+    drift = iter(range(100))
+
+    def fake_time_gpu(fn, cfg, say):
+        order.append(fn())
+        if fn() == "bad":
+            raise RuntimeError("boom")
+        return 1.0 + {"a": 0.0, "b": 10.0, "a16": 20.0}[fn()] + next(drift), 7, "fake-timer"
+
+    monkeypatch.setattr(sweep.timing, "time_gpu", fake_time_gpu)
+    monkeypatch.setattr(sweep, "cuda_healthy", lambda: True)
+    rows = [dict(workload="w", backend=n, timer="eager") for n in ("x", "y", "z")]
+    pending = [
+        (rows[0], [("ms", lambda: "a"), ("wide_ms", lambda: "a16")]),
+        (rows[1], [("ms", lambda: "b")]),
+        (rows[2], [("ms", lambda: "bad")]),
+    ]
+    args = cli.build_parser().parse_args(["--rounds", "3"])
+    sweep.time_in_turn(pending, args, Progress(0, "t"))
+    assert order == ["a", "a16", "b", "bad"] + ["a", "a16", "b"] * 2
+    # (the drift adds 0, 1, 2, ... in call order: a reads 1, 4, 7; a16 22, 25, 28; b 13, 16, 19)
+    assert rows[0]["ms"] == 4.0 and rows[0]["wide_ms"] == 25.0 and rows[1]["ms"] == 16.0
+    assert rows[0]["reps"] == 21 and rows[0]["timer"] == "fake-timer, 3 rounds in turn"
+    assert rows[2]["ms"] is None and "boom" in rows[2]["error"] and "error" not in rows[1]

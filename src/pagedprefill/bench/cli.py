@@ -62,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup-ms", type=float, default=25.0, help="GPU warm-up budget per backend (ms)")
     g.add_argument("--rep-ms", type=float, default=100.0, help="GPU timing budget per backend when --reps unset")
     g.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="table mode on a GPU: each workload's backends are timed in this many rounds, in turn, and each "
+        "reads the median of its rounds (a clock drift then reaches all alike; default 3)",
+    )
+    g.add_argument(
         "--timer",
         choices=("gpu", "events", "do_bench"),
         default="gpu",

@@ -2,8 +2,8 @@
 
 For each workload the case is built once (:class:`~pagedprefill.bench.cases.Case`). For each backend
 the first call (graph builds, compilation) is made outside the timing, the output is checked once
-against a reference (:mod:`~pagedprefill.bench.checks`), then the call is timed
-(:mod:`~pagedprefill.bench.timing`). The outside systems (:mod:`~pagedprefill.bench.references`) run
+against a reference (:mod:`~pagedprefill.bench.checks`); then the workload's calls are timed
+(:mod:`~pagedprefill.bench.timing`) in rounds, each backend in turn (:func:`time_in_turn`). The outside systems (:mod:`~pagedprefill.bench.references`) run
 the same batch stored contiguously. On an fp8 workload each system runs the fp8 data when it has a
 kernel for it, else the 16-bit data it was made from; the row says which (``data``).
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import time
 import traceback
 from collections.abc import Callable
@@ -50,9 +51,13 @@ def _capture(fn: Callable, backend: str, say_: Callable[[str], None]) -> tuple[C
         raise RuntimeError(f"CUDA graph capture failed: {short(e)}") from e
 
 
-def run_backend(case: cases.Case, backend: str, args: argparse.Namespace, progress: Progress) -> dict:
-    """Warm up, check and time ``backend`` on ``case``: a result dict (``ms`` None when it did not
-    run). Raises :class:`Skip` when the backend cannot run the case here."""
+def run_backend(
+    case: cases.Case, backend: str, args: argparse.Namespace, progress: Progress
+) -> tuple[dict, list[tuple[str, Callable]]]:
+    """Warm up and check ``backend`` on ``case``: a result dict and the calls still to be timed on the
+    GPU (``(result key, call)``: ``ms``, and ``wide_ms`` for an fp8 run's 16-bit data), which
+    :func:`time_in_turn` times beside the other backends'. On the CPU the call is timed here.
+    Raises :class:`Skip` when the backend cannot run the case here."""
     device = case.device
     res: dict = {"ms": None, "ok": None, "max_err": None, "rel_err": None, "lse_err": None}
     if backend in REFERENCES:
@@ -105,24 +110,61 @@ def run_backend(case: cases.Case, backend: str, args: argparse.Namespace, progre
             sync(device)
             err = checks.check_library_output(kwargs, out, lse, ref, served_by)
         res.update(err)
-    if device.type == "cuda":
-        res["host_us"] = timing.host_time_ms(fn) * 1e3
-        cfg = timing.TimingConfig(args.reps, args.warmup_ms, args.rep_ms, args.timer)
-        ms, n, timer = timing.time_gpu(fn, cfg, progress.write)
-        timer = f"cuda-graph replay, {timer}" if graph else timer
-    else:
+    if device.type != "cuda":
         ms, n = timing.time_cpu(fn, args.reps)
-        timer = "perf_counter"
-    res.update(ms=ms, reps=n, timer=timer)
-    if case.fp8 and kwargs is not None and data == case.kind and device.type == "cuda":
+        res.update(ms=ms, reps=n, timer="perf_counter")
+        return res, []
+    res["host_us"] = timing.host_time_ms(fn) * 1e3
+    res["timer"] = "cuda-graph replay" if graph else "eager"
+    timed = [("ms", fn)]
+    if case.fp8 and kwargs is not None and data == case.kind:
         # the same backend on the 16-bit data the fp8 data was made from: is quantising ever slower?
         wide = case.kwargs(case.wide)
         cases.first_call(wide, backend, progress.write)
         wfn = cases.library_call(wide, backend)
         if graph:
             wfn, _ = _capture(wfn, backend, progress.write)
-        res["wide_ms"], _, _ = timing.time_gpu(wfn, cfg, progress.write)
-    return res
+        timed.append(("wide_ms", wfn))
+    return res, timed
+
+
+def time_in_turn(pending: list[tuple[dict, list]], args: argparse.Namespace, progress: Progress) -> None:
+    """Time every pending call of one workload in ``args.rounds`` rounds, each backend in turn within a
+    round (a slice of the budget each), and store the median of its rounds' medians in its row: a
+    drift of the GPU's clocks over the workload's runs then reaches every backend alike, instead of
+    the ones timed last."""
+    rounds = max(1, args.rounds)
+    reps = None if args.reps is None else max(1, args.reps // rounds)
+    cfg = timing.TimingConfig(reps, args.warmup_ms / rounds, args.rep_ms / rounds, args.timer)
+    got: dict[tuple[int, str], list[float]] = {}
+    runs: dict[int, int] = {}
+    timers: dict[int, str] = {}
+    for _ in range(rounds):
+        for i, (row, timed) in enumerate(pending):
+            for key, fn in timed:
+                if row.get("error"):
+                    break
+                try:
+                    ms, n, timer = timing.time_gpu(fn, cfg, progress.write)
+                except Exception as e:
+                    row.update(error=short(e), ms=None)
+                    progress.write(f"  {row['workload']} / {row['backend']}: ERROR while timing: {short(e)}")
+                    if not cuda_healthy():
+                        raise
+                    break
+                got.setdefault((i, key), []).append(ms)
+                if key == "ms":
+                    runs[i] = runs.get(i, 0) + (n or 0)
+                    timers[i] = timer
+    for i, (row, _timed) in enumerate(pending):
+        if row.get("error"):
+            continue
+        for key in ("ms", "wide_ms"):
+            if (i, key) in got:
+                row[key] = statistics.median(got[(i, key)])
+        row["reps"] = runs.get(i)
+        prefix = "cuda-graph replay, " if row["timer"] == "cuda-graph replay" else ""
+        row["timer"] = f"{prefix}{timers.get(i)}, {rounds} rounds in turn"
 
 
 def default_backends(device: torch.device) -> list[str]:
@@ -198,18 +240,20 @@ def run_table(args: argparse.Namespace, device: torch.device, env: dict, rows_ou
                 case = cases.Case(w, device, dtype, args.seed, args.device_lengths)
             except Exception as e:
                 progress.write(f"{name}: could not build the case: {short(e)}")
+            rows, pending = [], []
             for be in backends:
                 progress.step(name, be)
                 row = _row_base(name, be, args, env)
+                rows.append(row)
                 if case is None or broken:
                     row["skipped"] = "case not built" if case is None else "CUDA context broken earlier"
                     progress.write(f"  {name} / {be}: skipped ({row['skipped']})")
                 else:
                     try:
-                        res = run_backend(case, be, args, progress)
+                        res, timed = run_backend(case, be, args, progress)
                         row.update(res)
-                        row["tflops"] = case.gflop / res["ms"] if res["ms"] else None
-                        progress.write(_result_line(name, be, row))
+                        if timed:
+                            pending.append((row, timed))
                     except Skip as s:
                         row["skipped"] = str(s)
                         progress.write(f"  {name} / {be}: skipped ({s})")
@@ -225,6 +269,18 @@ def run_table(args: argparse.Namespace, device: torch.device, env: dict, rows_ou
                         if device.type == "cuda" and not cuda_healthy():
                             broken = True
                             progress.write("  !! the CUDA context is broken; the remaining GPU runs are skipped")
+            if pending and not broken:
+                try:
+                    time_in_turn(pending, args, progress)
+                except Exception as e:
+                    broken = True
+                    progress.write(f"  !! timing failed ({short(e)}); the remaining GPU runs are skipped")
+            for row in rows:
+                if row.get("ms") and not row.get("error"):
+                    row["tflops"] = case.gflop / row["ms"]
+                    progress.write(_result_line(name, row["backend"], row))
+                else:
+                    row["tflops"] = None
                 rows_out.write(row)
                 results.append(row)
             del case
