@@ -816,3 +816,25 @@ def test_backends_are_timed_in_turn(monkeypatch):
     assert rows[0]["ms"] == 4.0 and rows[0]["wide_ms"] == 25.0 and rows[1]["ms"] == 16.0
     assert rows[0]["reps"] == 21 and rows[0]["timer"] == "fake-timer, 3 rounds in turn"
     assert rows[2]["ms"] is None and "boom" in rows[2]["error"] and "error" not in rows[1]
+
+
+def test_timing_in_turn_keeps_what_was_measured_when_the_context_breaks(monkeypatch):
+    """A call that breaks the CUDA context while timed stops the rounds (the error propagates) but
+    the rounds already measured stay in every row; the failing row carries the error."""
+    calls = {"n": 0}
+
+    def fake_time_gpu(fn, cfg, say):
+        calls["n"] += 1
+        if fn() == "b" and calls["n"] > 2:
+            raise RuntimeError("illegal address")
+        return {"a": 2.0, "b": 3.0}[fn()], None, "fake-timer"
+
+    monkeypatch.setattr(sweep.timing, "time_gpu", fake_time_gpu)
+    monkeypatch.setattr(sweep, "cuda_healthy", lambda: False)
+    rows = [dict(workload="w", backend=n, timer="cuda-graph replay") for n in ("x", "y")]
+    args = cli.build_parser().parse_args(["--rounds", "3"])
+    with pytest.raises(RuntimeError, match="illegal address"):
+        sweep.time_in_turn([(rows[0], [("ms", lambda: "a")]), (rows[1], [("ms", lambda: "b")])], args, Progress(0, "t"))
+    assert rows[0]["ms"] == 2.0 and rows[0]["reps"] is None
+    assert rows[0]["timer"] == "cuda-graph replay, fake-timer, 3 rounds in turn"
+    assert rows[1]["ms"] is None and "illegal address" in rows[1]["error"]

@@ -58,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--seed", type=int, default=0, help="data seed (lengths come from each workload's seed)")
     g = p.add_argument_group("timing")
-    g.add_argument("--reps", type=int, default=None, help="timed runs per backend (default: ~--rep-ms worth)")
+    g.add_argument(
+        "--reps", type=int, default=None, help="timed runs per backend, split over --rounds (default: ~--rep-ms worth)"
+    )
     g.add_argument("--warmup-ms", type=float, default=25.0, help="GPU warm-up budget per backend (ms)")
     g.add_argument("--rep-ms", type=float, default=100.0, help="GPU timing budget per backend when --reps unset")
     g.add_argument(

@@ -140,32 +140,38 @@ def time_in_turn(pending: list[tuple[dict, list]], args: argparse.Namespace, pro
     got: dict[tuple[int, str], list[float]] = {}
     runs: dict[int, int] = {}
     timers: dict[int, str] = {}
-    for _ in range(rounds):
-        for i, (row, timed) in enumerate(pending):
-            for key, fn in timed:
-                if row.get("error"):
-                    break
-                try:
-                    ms, n, timer = timing.time_gpu(fn, cfg, progress.write)
-                except Exception as e:
-                    row.update(error=short(e), ms=None)
-                    progress.write(f"  {row['workload']} / {row['backend']}: ERROR while timing: {short(e)}")
-                    if not cuda_healthy():
-                        raise
-                    break
-                got.setdefault((i, key), []).append(ms)
-                if key == "ms":
-                    runs[i] = runs.get(i, 0) + (n or 0)
-                    timers[i] = timer
-    for i, (row, _timed) in enumerate(pending):
-        if row.get("error"):
-            continue
-        for key in ("ms", "wide_ms"):
-            if (i, key) in got:
-                row[key] = statistics.median(got[(i, key)])
-        row["reps"] = runs.get(i)
-        prefix = "cuda-graph replay, " if row["timer"] == "cuda-graph replay" else ""
-        row["timer"] = f"{prefix}{timers.get(i)}, {rounds} rounds in turn"
+    try:
+        for _ in range(rounds):
+            for i, (row, timed) in enumerate(pending):
+                for key, fn in timed:
+                    if row.get("error"):
+                        break
+                    try:
+                        ms, n, timer = timing.time_gpu(fn, cfg, progress.write)
+                    except Exception as e:
+                        row.update(error=short(e), ms=None)
+                        progress.write(f"  {row['workload']} / {row['backend']}: ERROR while timing: {short(e)}")
+                        if isinstance(e, torch.cuda.OutOfMemoryError):
+                            gc.collect()
+                            torch.cuda.empty_cache()
+                        elif not cuda_healthy():
+                            raise
+                        break
+                    got.setdefault((i, key), []).append(ms)
+                    if key == "ms":
+                        runs[i] = None if n is None else (runs.get(i) or 0) + n
+                        timers[i] = timer
+    finally:  # (what was measured stays, also when the CUDA context broke)
+        for i, (row, _timed) in enumerate(pending):
+            if row.get("error"):
+                continue
+            for key in ("ms", "wide_ms"):
+                if (i, key) in got:
+                    row[key] = statistics.median(got[(i, key)])
+            row["reps"] = runs.get(i)
+            if i in timers:
+                prefix = "cuda-graph replay, " if row["timer"] == "cuda-graph replay" else ""
+                row["timer"] = f"{prefix}{timers[i]}, {rounds} rounds in turn"
 
 
 def default_backends(device: torch.device) -> list[str]:
@@ -242,48 +248,21 @@ def run_table(args: argparse.Namespace, device: torch.device, env: dict, rows_ou
             except Exception as e:
                 progress.write(f"{name}: could not build the case: {short(e)}")
             rows, pending = [], []
-            for be in backends:
-                progress.step(name, be)
-                row = _row_base(name, be, args, env)
-                rows.append(row)
-                if case is None or broken:
-                    row["skipped"] = "case not built" if case is None else "CUDA context broken earlier"
-                    progress.write(f"  {name} / {be}: skipped ({row['skipped']})")
-                else:
-                    try:
-                        res, timed = run_backend(case, be, args, progress)
-                        row.update(res)
-                        if timed:
-                            pending.append((row, timed))
-                    except Skip as s:
-                        row["skipped"] = str(s)
-                        progress.write(f"  {name} / {be}: skipped ({s})")
-                    except torch.cuda.OutOfMemoryError as e:
-                        row["error"] = short(e)
-                        progress.write(f"  {name} / {be}: OUT OF MEMORY ({short(e)[:200]})")
-                        gc.collect()
-                        torch.cuda.empty_cache()
-                    except Exception as e:
-                        row["error"] = short(e)
-                        progress.write(f"  {name} / {be}: ERROR {short(e)}")
-                        progress.write("    " + "    ".join(traceback.format_exc().splitlines(True)[-6:]))
-                        if device.type == "cuda" and not cuda_healthy():
-                            broken = True
-                            progress.write("  !! the CUDA context is broken; the remaining GPU runs are skipped")
-            if pending and not broken:
-                try:
-                    time_in_turn(pending, args, progress)
-                except Exception as e:
-                    broken = True
-                    progress.write(f"  !! timing failed ({short(e)}); the remaining GPU runs are skipped")
-            for row in rows:
-                if row.get("ms") and not row.get("error"):
-                    row["tflops"] = case.gflop / row["ms"]
-                    progress.write(_result_line(name, row["backend"], row))
-                else:
-                    row["tflops"] = None
-                rows_out.write(row)
-                results.append(row)
+            try:
+                broken = _run_workload(case, name, backends, rows, pending, broken, args, env, progress)
+            finally:
+                for row in rows:
+                    if row.get("ms") and not row.get("error"):
+                        row["tflops"] = case.gflop / row["ms"]
+                        progress.write(_result_line(name, row["backend"], row))
+                    elif row.get("error") or row.get("skipped"):
+                        row["tflops"] = None
+                    elif row.get("data") is not None:  # (checked, then the run stopped before the timing)
+                        row.update(tflops=None, skipped="not timed: the run stopped before this workload's timing")
+                    else:  # (stopped inside its first call: nothing to report)
+                        continue
+                    rows_out.write(row)
+                    results.append(row)
             del case
             gc.collect()
             if device.type == "cuda" and not broken:
@@ -293,6 +272,60 @@ def run_table(args: argparse.Namespace, device: torch.device, env: dict, rows_ou
     finally:
         progress.close()
     return report(results, backends, args, device, env, interrupted)
+
+
+def _run_workload(
+    case: cases.Case | None,
+    name: str,
+    backends: list[str],
+    rows: list[dict],
+    pending: list,
+    broken: bool,
+    args: argparse.Namespace,
+    env: dict,
+    progress: Progress,
+) -> bool:
+    """Warm up and check each backend on one workload (its rows appended to ``rows`` as they start),
+    then time them in turn; returns whether the CUDA context is broken."""
+    device = case.device if case is not None else None
+    for be in backends:
+        progress.step(name, be)
+        row = _row_base(name, be, args, env)
+        rows.append(row)
+        if case is None or broken:
+            row["skipped"] = "case not built" if case is None else "CUDA context broken earlier"
+            progress.write(f"  {name} / {be}: skipped ({row['skipped']})")
+        else:
+            try:
+                res, timed = run_backend(case, be, args, progress)
+                row.update(res)
+                if timed:
+                    pending.append((row, timed))
+            except Skip as s:
+                row["skipped"] = str(s)
+                progress.write(f"  {name} / {be}: skipped ({s})")
+            except torch.cuda.OutOfMemoryError as e:
+                row["error"] = short(e)
+                progress.write(f"  {name} / {be}: OUT OF MEMORY ({short(e)[:200]})")
+                gc.collect()
+                torch.cuda.empty_cache()
+            except Exception as e:
+                row["error"] = short(e)
+                progress.write(f"  {name} / {be}: ERROR {short(e)}")
+                progress.write("    " + "    ".join(traceback.format_exc().splitlines(True)[-6:]))
+                if device.type == "cuda" and not cuda_healthy():
+                    broken = True
+                    progress.write("  !! the CUDA context is broken; the remaining GPU runs are skipped")
+    if pending and not broken:
+        try:
+            time_in_turn(pending, args, progress)
+        except Exception as e:
+            broken = True
+            progress.write(f"  !! timing broke the CUDA context ({short(e)}); the remaining GPU runs are skipped")
+    elif pending:
+        for row, _timed in pending:
+            row["skipped"] = "CUDA context broken before this workload's timing"
+    return broken
 
 
 def report(

@@ -798,7 +798,9 @@ LAZY_BOUND: gl.constexpr = gl.constexpr(8.0)
 def _rescale(acc, alpha):
     """acc * alpha[:, None] (acc: a wgmma accumulator, alpha: its rows' factors, two rows a thread),
     branched around by whole warps whose alphas are all exactly 1."""
-    # (vote.sync.any over the warp: the branch below is warp-uniform, bra.uni)
+    # (vote.sync.any over the warp: the branch below is warp-uniform, bra.uni. The vote's pack of 2 is
+    # a thread's two rows, r and r + 8, of a 64-row wgmma tile (Geometry.SUB_M): every element of a
+    # thread then holds the same vote, and each 16-register block tests its first one)
     need = gl.inline_asm_elementwise(
         "{ .reg .pred p, q; setp.neu.f32 p, $2, 0f3F800000; setp.neu.or.f32 p, $3, 0f3F800000, p; "
         "vote.sync.any.pred q, p, 0xffffffff; selp.u32 $0, 1, 0, q; mov.u32 $1, $0; }",
