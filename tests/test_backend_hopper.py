@@ -453,8 +453,10 @@ def test_gpu_running_max_grows_across_tiles(slope, dqk, kv8):
     ramp = torch.cat([torch.arange(n, device="cuda") for n in lens_kv]).float() * slope * math.sqrt(dqk) / lift
     k = kw["k_cache"]
     scale = float(kw["k_scale"]) if kv8 else 1.0
-    assert (ramp / scale).abs().max() < 440
-    k[:, :, 0] = (ramp[:, None] / scale).to(k.dtype)  # (ragged rows: sequences packed)
+    if kv8:
+        assert (ramp / scale).abs().max() < 440
+    # (ragged rows: sequences packed; 16-bit K flattens past 400, the logits then stop rising)
+    k[:, :, 0] = (ramp[:, None] / scale).clamp(-400, 400).to(k.dtype)
     check_forced(case)
 
 
