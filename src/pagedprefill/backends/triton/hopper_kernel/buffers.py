@@ -1,0 +1,69 @@
+"""Shared memory and its barriers: the K/V ring (:class:`KVRing`), the 8-bit staging slots
+(:class:`Staging`) and the consumers' Q slots (:class:`QSlots`)."""
+
+# (no ``from __future__ import annotations``: Gluon aggregates check their fields' annotations)
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.language.core import _aggregate as aggregate
+
+
+@aggregate
+class KVRing:
+    """The K/V tiles in shared memory: ``STAGES`` slots with full / empty barriers."""
+
+    k: gl.shared_memory_descriptor  # [STAGES, BLOCK_N, DQ0]
+    k1: gl.shared_memory_descriptor  # [STAGES, BLOCK_N, DQ1] (DQ1 > 0), else k
+    v: gl.shared_memory_descriptor  # [STAGES, BLOCK_N, DV0]
+    v1: gl.shared_memory_descriptor  # [STAGES, BLOCK_N, DV1] (DV1 > 0), else v
+    full: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, k, k1, v, v1, full, empty):
+        self.k = k
+        self.k1 = k1
+        self.v = v
+        self.v1 = v1
+        self.full = full
+        self.empty = empty
+
+
+@aggregate
+class Staging:
+    """KV8: 8-bit K/V tiles as they arrive, ``S8`` slots (TMA boxes for whole tiles, cp.async otherwise)
+    with a barrier each, until the load warps widen them into the :class:`KVRing`."""
+
+    k: gl.shared_memory_descriptor  # [S8, BLOCK_N, DQ0] 8-bit
+    k1: gl.shared_memory_descriptor  # [S8, BLOCK_N, DQ1] (DQ1 > 0), else k
+    v: gl.shared_memory_descriptor  # [S8, BLOCK_N, DV0]
+    v1: gl.shared_memory_descriptor  # [S8, BLOCK_N, DV1] (DV1 > 0), else v
+    full: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, k, k1, v, v1, full):
+        self.k = k
+        self.k1 = k1
+        self.v = v
+        self.v1 = v1
+        self.full = full
+
+
+@aggregate
+class QSlots:
+    """Each consumer's Q rows in shared memory (and its O rows on the way out, O_STAGE), with the
+    barriers of their TMA copies (Q_TMA)."""
+
+    q: gl.shared_memory_descriptor  # [NC, 64, DQ0]
+    q1: gl.shared_memory_descriptor  # [NC, 64, DQ1] (DQ1 > 0), else q
+    full: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+    f: gl.shared_memory_descriptor  # KV8: [4 * 64] float32, each row's power of two (see _prep_q)
+
+    @gluon.constexpr_function
+    def __init__(self, q, q1, full, empty, f):
+        self.q = q
+        self.q1 = q1
+        self.full = full
+        self.empty = empty
+        self.f = f

@@ -1,0 +1,389 @@
+"""The consumer warpgroups: QK and PV wgmmas around the softmax, and the epilogue (:class:`OutSink`:
+where O and the LSE go)."""
+
+# (no ``from __future__ import annotations``: Gluon aggregates check their fields' annotations)
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.language.core import _aggregate as aggregate
+
+from .buffers import KVRing, QSlots
+from .geometry import Geometry, WorkItem, _key_range, _window_range
+from .loads import _chunk_layout
+from .schedule import Schedule
+from .softmax import _quad_sums, _rescale, _softmax
+
+
+@aggregate
+class OutSink:
+    """Q in global memory (consumers' own copies), and where O and the LSE go."""
+
+    Q: gl.tensor
+    stride_qt: gl.tensor
+    stride_qh: gl.tensor
+    Out: gl.tensor
+    LSE: gl.tensor
+    stride_ot: gl.tensor
+    stride_oh: gl.tensor
+    num_heads_q: gl.tensor
+    qk_scale: gl.tensor  # softmax scale x log2(e)
+    softcap: gl.tensor  # SOFTCAP: the cap c
+    SINKS: gl.tensor  # SINKS: float32 (Hq,) sink logits
+    K_SCALE: gl.tensor  # K_SCALED: float32 (1,)
+    V_SCALE: gl.tensor  # V_SCALED: float32 (1,)
+
+    @gluon.constexpr_function
+    def __init__(
+        self,
+        Q,
+        stride_qt,
+        stride_qh,
+        Out,
+        LSE,
+        stride_ot,
+        stride_oh,
+        num_heads_q,
+        qk_scale,
+        softcap,
+        SINKS,
+        K_SCALE,
+        V_SCALE,
+    ):
+        self.Q = Q
+        self.stride_qt = stride_qt
+        self.stride_qh = stride_qh
+        self.Out = Out
+        self.LSE = LSE
+        self.stride_ot = stride_ot
+        self.stride_oh = stride_oh
+        self.num_heads_q = num_heads_q
+        self.qk_scale = qk_scale
+        self.softcap = softcap
+        self.SINKS = SINKS
+        self.K_SCALE = K_SCALE
+        self.V_SCALE = V_SCALE
+
+
+@gluon.jit
+def _qk_async(q_sub, q1_sub, k_buf, k1_buf, s_zero, DQ1: gl.constexpr):
+    """S = Q K^T as asynchronous wgmmas (a second one for key columns past 128 when DQ1 > 0)."""
+    tok = warpgroup_mma(q_sub, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if DQ1 > 0:
+        tok = warpgroup_mma(q1_sub, k1_buf.permute((1, 0)), tok, is_async=True)
+    return tok
+
+
+@gluon.jit
+def _q_cols_async(
+    buf, w: WorkItem, out: OutSink, R0: gl.constexpr, geo: Geometry, C0: gl.constexpr, NCOL: gl.constexpr
+):
+    """cp.async copies of columns [C0, C0 + NCOL) of work item w's Q rows [row0 + R0, row0 + R0 +
+    SUB_M) into buf; rows past the sequence zero-filled."""
+    GROUP: gl.constexpr = geo.GROUP
+    LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (NCOL // 8), NCOL // 8], [4, 1], [1, 0])
+    rows = w.row0 + R0 + gl.arange(0, geo.SUB_M, gl.SliceLayout(1, LD))
+    tok = rows // GROUP
+    head = w.kv_head * GROUP + rows % GROUP
+    off = (w.q_start + tok).to(gl.int64) * out.stride_qt + head.to(gl.int64) * out.stride_qh
+    d = C0 + gl.arange(0, NCOL, gl.SliceLayout(0, LD))
+    async_copy.async_copy_global_to_shared(buf, out.Q + off[:, None] + d[None, :], mask=(tok < w.q_len)[:, None])
+
+
+@gluon.constexpr_function
+def _prep_rows(dq0, dq1):
+    """Rows of Q converted at a time: 16, or as many as the narrower part's layout covers."""
+    narrow = min(dq0, dq1) if dq1 else dq0
+    return max(16, 4 * (32 // (narrow // 8)))
+
+
+@gluon.jit
+def _prep_q(q_sub, q1_sub, f_buf, sign, geo: Geometry):
+    """KV8: this warpgroup's Q rows, in q's 16-bit dtype, -> float16 in place (the GEMMs' dtype: the
+    8-bit K/V widen to it in one instruction per pair), each row times ``sign`` and a power of two
+    2^k that puts its largest magnitude in [2^14, 2^15): exact, since bf16's 8-bit significands fit
+    fp16's 11 wherever fp16 is normal, and a row's entries under 2^-28 of its largest are all fp16
+    loses. Each row's 2^-k goes to f_buf."""
+    DQ0: gl.constexpr = geo.DQ0
+    DQ1: gl.constexpr = geo.DQ1
+    RCH: gl.constexpr = _prep_rows(DQ0, DQ1)
+    L0: gl.constexpr = _chunk_layout(DQ0, 8, 4)
+    h0 = q_sub._reinterpret(gl.float16, q_sub.shape, q_sub.layout)
+    if DQ1 > 0:
+        L1: gl.constexpr = _chunk_layout(DQ1, 8, 4)
+        h1 = q1_sub._reinterpret(gl.float16, q1_sub.shape, q1_sub.layout)
+    for r in gl.static_range(geo.SUB_M // RCH):
+        x = q_sub.slice(r * RCH, RCH).load(L0).to(gl.float32)
+        amax = gl.max(gl.abs(x), 1)
+        if DQ1 > 0:
+            x1 = q1_sub.slice(r * RCH, RCH).load(L1).to(gl.float32)
+            amax = gl.maximum(amax, gl.convert_layout(gl.max(gl.abs(x1), 1), gl.SliceLayout(1, L0)))
+        e = ((amax.to(gl.int32, bitcast=True) >> 23) & 255) - 127  # floor(log2 amax) (0: -127)
+        k = gl.minimum(gl.maximum(14 - e, -126), 126)
+        up = ((k + 127) << 23).to(gl.float32, bitcast=True) * sign  # (+-2^k)
+        f_buf.slice(r * RCH, RCH).store(((127 - k) << 23).to(gl.float32, bitcast=True))
+        h0.slice(r * RCH, RCH).store((x * up[:, None]).to(gl.float16))
+        if DQ1 > 0:
+            up1 = gl.convert_layout(up, gl.SliceLayout(1, L1))
+            h1.slice(r * RCH, RCH).store((x1 * up1[:, None]).to(gl.float16))
+
+
+@gluon.jit
+def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSink, R0: gl.constexpr, geo: Geometry):
+    """One consumer warpgroup: rows [row0 + R0, row0 + R0 + SUB_M) of each work item's block."""
+    GROUP: gl.constexpr = geo.GROUP
+    DQ1: gl.constexpr = geo.DQ1
+    DVO: gl.constexpr = geo.DVO
+    DV0: gl.constexpr = geo.DV0
+    DV1: gl.constexpr = geo.DV1
+    SUB_M: gl.constexpr = geo.SUB_M
+    BLOCK_N: gl.constexpr = geo.BLOCK_N
+    STAGES: gl.constexpr = geo.STAGES
+    CAUSAL: gl.constexpr = geo.CAUSAL
+    dtype: gl.constexpr = ring.k.dtype  # (the GEMMs' inputs: q's dtype, or float16 for 8-bit K/V)
+    Out = out.Out
+    qk_scale = out.qk_scale
+    sign = 1.0
+    if geo.K_SCALED:
+        k_scale = gl.load(out.K_SCALE)
+        if geo.KV8:  # (its sign goes into Q: the scale stays >= 0)
+            sign = gl.where(k_scale < 0, -1.0, 1.0)
+            k_scale = gl.abs(k_scale)
+        qk_scale = qk_scale * k_scale
+    if geo.SOFTCAP:  # s = cap * tanh(scale * q.k / cap), in log2 units: cap_out * tanh(q.k * qk_scale / cap_out)
+        cap_out = out.softcap * 1.4426950408889634
+        qk_scale = qk_scale / cap_out
+    else:
+        cap_out = 1.0
+    # Q_TMA: the slot goes back to the load warps after this warpgroup's last QK GEMM of an item, or,
+    # when O is staged through it, after O is read back from it
+    Q_EARLY: gl.constexpr = geo.Q_TMA and geo.O_STAGE != 1
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV0, 16])
+    P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    if DV1 > 0:  # (O in two accumulators, DV0 + DV1 columns, one PV GEMM each)
+        O1_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV1, 16])
+        P1_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O1_L, k_width=2)
+    q_sub = slots.q.index(R0 // SUB_M)
+    if DQ1 > 0:
+        q1_sub = slots.q1.index(R0 // SUB_M)
+    else:
+        q1_sub = q_sub
+    if geo.KV8:  # (the GEMMs read the slot as float16, see _prep_q)
+        qg_sub = q_sub._reinterpret(gl.float16, q_sub.shape, q_sub.layout)
+        qg1_sub = q1_sub._reinterpret(gl.float16, q1_sub.shape, q1_sub.layout)
+        f_buf = slots.f.slice(R0, SUB_M)
+        qk_r = gl.full([SUB_M], 1.0, gl.float32, gl.SliceLayout(1, S_L)) * qk_scale  # (set per item)
+        qk_e = qk_r[:, None]
+    else:
+        qg_sub = q_sub
+        qg1_sub = q1_sub
+        qk_e = qk_scale
+        qk_r = qk_scale
+    c = gl.program_id(0) * 0  # key tiles this program has consumed so far
+    r = gl.program_id(0) * 0  # rounds (items) so far
+    item = sched.take(r)
+    while sched.more(item, r):
+        w = sched.work_item(item, geo, geo.HAS_LSE)
+        # this warpgroup's Q rows -> its own slot, once all its warps are past the previous item's GEMMs
+        if geo.Q_TMA:  # (the load warps' copies)
+            # (every mbarrier.arrive of a warpgroup here is lowered as a bar.sync of its 128 threads
+            # and one elected arrive: no warp can lag a round behind the arrival)
+            mbarrier.wait(slots.full, r & 1)
+        else:
+            gl.thread_barrier()
+            _q_cols_async(q_sub, w, out, R0, geo, 0, geo.DQ0)
+            if DQ1 > 0:
+                _q_cols_async(q1_sub, w, out, R0, geo, geo.DQ0, DQ1)
+            async_copy.commit_group()
+            async_copy.wait_group(0)
+            fence_async_shared()
+            gl.thread_barrier()
+        if geo.KV8:
+            _prep_q(q_sub, q1_sub, f_buf, sign, geo)
+            fence_async_shared()
+            gl.thread_barrier()
+            qk_r = qk_scale * f_buf.load(gl.SliceLayout(1, S_L))
+            qk_e = qk_r[:, None]
+        rows_s = w.row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, S_L))
+        tok_s = rows_s // GROUP
+        diag = tok_s + (w.kv_len - w.q_len)
+        m_i = gl.full([SUB_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
+        l_i = _quad_sums(gl.zeros([SUB_M, BLOCK_N], gl.float32, S_L))  # (per thread: see _quad_sums)
+        acc = gl.zeros([SUB_M, DV0], gl.float32, O_L)
+        s_zero = gl.zeros([SUB_M, BLOCK_N], gl.float32, S_L)
+        p_op = gl.zeros([SUB_M, BLOCK_N], dtype, P_L)
+        if DV1 > 0:
+            acc1 = gl.zeros([SUB_M, DV1], gl.float32, O1_L)
+            p_op1 = gl.zeros([SUB_M, BLOCK_N], dtype, P1_L)
+        n_walk = w.n_tiles  # key tiles this warpgroup computes up to; below full_own none is masked
+        full_own = w.full
+        if CAUSAL:
+            # (this warpgroup's rows lie inside the block's: its range is within the block's)
+            _, n_walk, full_own = _key_range(w.row0 + R0, w.q_len, w.kv_len, SUB_M, geo)
+        if geo.WINDOW:
+            # the ring holds the block's tiles from t_lo on; this warpgroup's own window starts at
+            # t_own (tiles before it are released unread), and keys from head_own on need no mask
+            t_lo, _ = _window_range(w.row0, w.q_len, w.kv_len, w.n_tiles, sched.window, geo.BLOCK_M, geo)
+            t_own, head_own = _window_range(w.row0 + R0, w.q_len, w.kv_len, n_walk, sched.window, SUB_M, geo)
+            t_own = gl.maximum(t_own, t_lo)
+            n_walk = gl.maximum(n_walk, t_own)
+            for t in range(t_lo, t_own):
+                mbarrier.wait(ring.full.index((c + t - t_lo) % STAGES), ((c + t - t_lo) // STAGES) & 1)
+                mbarrier.arrive(ring.empty.index((c + t - t_lo) % STAGES))
+        else:
+            t_lo = 0
+            t_own = 0
+            head_own = 0
+        alpha = gl.full([SUB_M], 1.0, gl.float32, gl.SliceLayout(1, O_L))
+        if DV1 > 0:
+            alpha1 = gl.full([SUB_M], 1.0, gl.float32, gl.SliceLayout(1, O1_L))
+        if Q_EARLY:
+            if n_walk == t_own:  # (the slot is free once this warpgroup's last QK GEMM is done)
+                mbarrier.arrive(slots.empty)
+        if n_walk > t_own:  # the first tile: nothing to overlap its softmax with yet
+            s0 = (c + t_own - t_lo) % STAGES
+            mbarrier.wait(ring.full.index(s0), ((c + t_own - t_lo) // STAGES) & 1)
+            fence_async_shared()
+            s_tok = _qk_async(qg_sub, qg1_sub, ring.k.index(s0), ring.k1.index(s0), s_zero, DQ1)
+            sc = warpgroup_mma_wait(0, deps=[s_tok])
+            if Q_EARLY:
+                if n_walk == t_own + 1:
+                    mbarrier.arrive(slots.empty)
+            unmasked = t_own * BLOCK_N < full_own
+            if geo.WINDOW:
+                unmasked = unmasked & (t_own * BLOCK_N >= head_own)
+            if unmasked:
+                p, m_i, l_i, alpha0 = _softmax(
+                    sc, m_i, l_i, qk_e, qk_r, t_own * BLOCK_N, diag, w.kv_len, sched.window, cap_out, False, geo
+                )
+            else:
+                p, m_i, l_i, alpha0 = _softmax(
+                    sc, m_i, l_i, qk_e, qk_r, t_own * BLOCK_N, diag, w.kv_len, sched.window, cap_out, True, geo
+                )
+            p16 = p.to(dtype)
+            p_op = gl.convert_layout(p16, P_L)
+            if DV1 > 0:
+                p_op1 = gl.convert_layout(p16, P1_L)
+        for t in range(t_own + 1, n_walk):
+            s = (c + t - t_lo) % STAGES
+            prev = (c + t - t_lo - 1) % STAGES
+            mbarrier.wait(ring.full.index(s), ((c + t - t_lo) // STAGES) & 1)
+            fence_async_shared()
+            # S_t = Q K_t^T in flight while O is rescaled for tile t-1 (off the path from the PV
+            # GEMM's wait to the next PV GEMM); then O += P_{t-1} V_{t-1} joins it, and softmax(S_t)
+            # overlaps the PV GEMM
+            s_tok = _qk_async(qg_sub, qg1_sub, ring.k.index(s), ring.k1.index(s), s_zero, DQ1)
+            if t > t_own + 1:  # (the first tile left O zero)
+                acc = _rescale(acc, alpha)
+                if DV1 > 0:
+                    acc1 = _rescale(acc1, alpha1)
+            o_tok = warpgroup_mma(p_op, ring.v.index(prev), acc, is_async=True)
+            if DV1 > 0:
+                o1_tok = warpgroup_mma(p_op1, ring.v1.index(prev), acc1, is_async=True)
+                sc = warpgroup_mma_wait(2, deps=[s_tok])  # (the QK GEMMs: issued before both PV GEMMs)
+            else:
+                sc = warpgroup_mma_wait(1, deps=[s_tok])
+            if Q_EARLY:
+                if t == n_walk - 1:
+                    mbarrier.arrive(slots.empty)
+            unmasked = t * BLOCK_N < full_own
+            if geo.WINDOW:
+                unmasked = unmasked & (t * BLOCK_N >= head_own)
+            if unmasked:
+                p, m_i, l_i, alpha_s = _softmax(
+                    sc, m_i, l_i, qk_e, qk_r, t * BLOCK_N, diag, w.kv_len, sched.window, cap_out, False, geo
+                )
+                alpha = gl.convert_layout(alpha_s, gl.SliceLayout(1, O_L))
+            else:
+                p, m_i, l_i, alpha_s = _softmax(
+                    sc, m_i, l_i, qk_e, qk_r, t * BLOCK_N, diag, w.kv_len, sched.window, cap_out, True, geo
+                )
+                alpha = gl.convert_layout(alpha_s, gl.SliceLayout(1, O_L))
+            if DV1 > 0:
+                alpha1 = gl.convert_layout(alpha_s, gl.SliceLayout(1, O1_L))
+                acc, acc1 = warpgroup_mma_wait(0, deps=[o_tok, o1_tok])
+            else:
+                acc = warpgroup_mma_wait(0, deps=[o_tok])
+            mbarrier.arrive(ring.empty.index(prev))
+            p16 = p.to(dtype)
+            p_op = gl.convert_layout(p16, P_L)
+            if DV1 > 0:
+                p_op1 = gl.convert_layout(p16, P1_L)
+        if n_walk > t_own:
+            last = (c + n_walk - 1 - t_lo) % STAGES
+            if n_walk > t_own + 1:
+                acc = _rescale(acc, alpha)
+                if DV1 > 0:
+                    acc1 = _rescale(acc1, alpha1)
+            o_tok = warpgroup_mma(p_op, ring.v.index(last), acc, is_async=True)
+            if DV1 > 0:
+                o1_tok = warpgroup_mma(p_op1, ring.v1.index(last), acc1, is_async=True)
+                acc, acc1 = warpgroup_mma_wait(0, deps=[o_tok, o1_tok])
+            else:
+                acc = warpgroup_mma_wait(0, deps=[o_tok])
+            mbarrier.arrive(ring.empty.index(last))
+        if CAUSAL:  # tiles past this warpgroup's last key: released unread, in ring order
+            for t in range(n_walk, w.n_tiles):
+                mbarrier.wait(ring.full.index((c + t - t_lo) % STAGES), ((c + t - t_lo) // STAGES) & 1)
+                mbarrier.arrive(ring.empty.index((c + t - t_lo) % STAGES))
+        c += w.n_tiles - t_lo
+        l_i = gl.convert_layout(gl.sum(l_i, 1), gl.SliceLayout(1, S_L))  # (the quad's lanes, once)
+
+        if geo.SINKS:  # the sink joins the denominator: out = acc / (l + e^sink), lse = log(l + e^sink)
+            sink2 = gl.load(out.SINKS + (w.kv_head * GROUP + rows_s % GROUP)) * 1.4426950408889634
+            m_f = gl.maximum(m_i, sink2)
+            a = gl.exp2(m_i - m_f)
+            l_f = l_i * a + gl.exp2(sink2 - m_f)
+            inv_l = a / l_f
+            lse2 = m_f + gl.log2(l_f)
+        else:
+            has_key = l_i > 0.0
+            inv_l = gl.where(has_key, 1.0 / gl.where(has_key, l_i, 1.0), 0.0)
+            lse2 = gl.where(has_key, m_i + gl.log2(gl.where(has_key, l_i, 1.0)), float("-inf"))
+        if geo.V_SCALED:
+            inv_l = inv_l * gl.load(out.V_SCALE)
+        o = (acc * gl.convert_layout(inv_l, gl.SliceLayout(1, O_L))[:, None]).to(Out.dtype.element_ty)
+        if geo.O_STAGE == 1:
+            # through this warpgroup's Q slot (its last QK GEMM is done) into rows of 16-byte
+            # vectors: each warp stores whole 2^k-byte row segments instead of 16-byte pieces of 8
+            # rows (the wgmma accumulator's layout)
+            gl.thread_barrier()
+            q_sub.store(o)
+            gl.thread_barrier()
+            TPW_D: gl.constexpr = DVO // 8
+            ST_L: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [4, 1], [1, 0])
+            o_st = q_sub.load(ST_L)
+            if geo.Q_TMA:  # (the slot goes back to the load warps; arrive syncs the group)
+                fence_async_shared()  # (O's generic-proxy writes before the next Q's TMA writes)
+                mbarrier.arrive(slots.empty)
+            rows_o = w.row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, ST_L))
+            d_o = gl.arange(0, DVO, gl.SliceLayout(0, ST_L))
+        else:
+            o_st = o
+            rows_o = w.row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, O_L))
+            d_o = gl.arange(0, DV0, gl.SliceLayout(0, O_L))
+        tok_o = rows_o // GROUP
+        head_o = w.kv_head * GROUP + rows_o % GROUP
+        o_off = (w.o_start + tok_o).to(gl.int64) * out.stride_ot + head_o.to(gl.int64) * out.stride_oh
+        gl.store(Out + o_off[:, None] + d_o[None, :], o_st, mask=(tok_o < w.q_len)[:, None])
+        if DV1 > 0:  # (O_STAGE 0: the second accumulator's columns, straight from its layout)
+            o1 = (acc1 * gl.convert_layout(inv_l, gl.SliceLayout(1, O1_L))[:, None]).to(Out.dtype.element_ty)
+            rows_o1 = w.row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, O1_L))
+            d_o1 = DV0 + gl.arange(0, DV1, gl.SliceLayout(0, O1_L))
+            tok_o1 = rows_o1 // GROUP
+            head_o1 = w.kv_head * GROUP + rows_o1 % GROUP
+            o1_off = (w.o_start + tok_o1).to(gl.int64) * out.stride_ot + head_o1.to(gl.int64) * out.stride_oh
+            gl.store(Out + o1_off[:, None] + d_o1[None, :], o1, mask=(tok_o1 < w.q_len)[:, None])
+        if geo.HAS_LSE:
+            head_s = w.kv_head * GROUP + rows_s % GROUP
+            lse_off = w.lse_start.to(gl.int64) + tok_s.to(gl.int64) * out.num_heads_q + head_s
+            gl.store(out.LSE + lse_off, lse2 * 0.6931471805599453, mask=tok_s < w.q_len)
+        r += 1
+        item = sched.take(r)

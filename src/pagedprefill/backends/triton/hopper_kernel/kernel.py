@@ -1,0 +1,265 @@
+"""The kernel's entry: shared memory, barriers and the warp-specialised partitions."""
+
+# (no ``from __future__ import annotations``: Gluon aggregates check their fields' annotations)
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+
+from .buffers import KVRing, QSlots, Staging
+from .consumer import OutSink, _consumer_partition
+from .geometry import Geometry
+from .loads import KVSource, _layout8, _load_partition
+from .schedule import ITEM_RING, Schedule
+
+
+@gluon.jit(
+    do_not_specialize=["meta_stride", "batch_size", "num_m_blocks", "num_pages", "chunk_pairs", "dynamic", "window"],
+    do_not_specialize_on_alignment=["BT", "LSE", "COUNTER", "SINKS", "K_SCALE", "V_SCALE"],
+)
+def attention_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    LSE,
+    META,
+    BT,
+    COUNTER,
+    dynamic,
+    sm_scale_log2,
+    meta_stride,
+    batch_size,
+    num_m_blocks,
+    num_pages,
+    stride_qt,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_ks,
+    stride_vn,
+    stride_vh,
+    stride_vs,
+    stride_ot,
+    stride_oh,
+    num_heads_q,
+    num_kv_heads,
+    chunk_pairs,
+    k_desc,
+    k1_desc,
+    v_desc,
+    v1_desc,
+    q_desc,
+    k_page_rows,
+    k_head_off,
+    v_page_rows,
+    v_head_off,
+    window,
+    softcap,
+    SINKS,
+    K_SCALE,
+    V_SCALE,
+    GROUP: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    DQK: gl.constexpr,
+    DVO: gl.constexpr,
+    NC: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    HAS_LSE: gl.constexpr,
+    STAGES: gl.constexpr,
+    LOAD_WARPS: gl.constexpr,
+    CONS_REGS: gl.constexpr,
+    LOAD_REGS: gl.constexpr,
+    USE_TMA: gl.constexpr,
+    PAGE_BOX: gl.constexpr,
+    K_HEAD_ROWS: gl.constexpr,
+    V_HEAD_ROWS: gl.constexpr,
+    Q_TMA: gl.constexpr,
+    O_STAGE: gl.constexpr,
+    WINDOW: gl.constexpr,
+    SOFTCAP: gl.constexpr,
+    HAS_SINKS: gl.constexpr,
+    KV8_STAGES: gl.constexpr,
+    K_SCALED: gl.constexpr,
+    V_SCALED: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each; the kernel's own
+    num_warps (4) are the first consumer. The ``num_kv_heads * batch_size * num_m_blocks`` work
+    items are dealt to a persistent grid (see :class:`Schedule`)."""
+    geo = Geometry(
+        GROUP,
+        PAGE_SIZE,
+        DQK,
+        DVO,
+        NC,
+        BLOCK_N,
+        STAGES,
+        CAUSAL,
+        HAS_LSE,
+        LOAD_WARPS,
+        USE_TMA,
+        PAGE_BOX,
+        K_HEAD_ROWS,
+        V_HEAD_ROWS,
+        Q_TMA,
+        O_STAGE,
+        WINDOW,
+        SOFTCAP,
+        HAS_SINKS,
+        KV8_STAGES > 0,
+        KV8_STAGES,
+        K_SCALED,
+        V_SCALED,
+    )
+    dtype: gl.constexpr = Q.dtype.element_ty
+    SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    # (32-column parts: 64-byte rows, 64-byte swizzle; the host's TMA descriptors use the same)
+    SMEM1: gl.constexpr = gl.NVMMASharedLayout(
+        swizzle_byte_width=64 if geo.DQ1 == 32 else 128, element_bitwidth=16, rank=2
+    )
+    SMEMV1: gl.constexpr = gl.NVMMASharedLayout(
+        swizzle_byte_width=64 if geo.DV1 == 32 else 128, element_bitwidth=16, rank=2
+    )
+
+    # the GEMMs' inputs: q's dtype; with 8-bit K/V float16 (see _prep_q)
+    cdt: gl.constexpr = gl.float16 if geo.KV8 else dtype
+    q_smem = gl.allocate_shared_memory(dtype, [NC, geo.SUB_M, geo.DQ0], SMEM)
+    k_smem = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, geo.DQ0], SMEM)
+    v_smem = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, geo.DV0], SMEM)
+    if geo.DQ1 > 0:
+        q1_smem = gl.allocate_shared_memory(dtype, [NC, geo.SUB_M, geo.DQ1], SMEM1)
+        k1_smem = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, geo.DQ1], SMEM1)
+    else:  # (unused)
+        q1_smem = q_smem
+        k1_smem = k_smem
+    if geo.DV1 > 0:
+        v1_smem = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, geo.DV1], SMEMV1)
+    else:  # (unused)
+        v1_smem = v_smem
+    kv_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(kv_full.index(i), count=1 if (USE_TMA or geo.KV8) else LOAD_WARPS * 32)
+        mbarrier.init(kv_empty.index(i), count=NC)
+    if geo.KV8:  # (8-bit tiles in the copies' own layouts: rows of 32, 64 or >= 128 bytes)
+        kv_dt: gl.constexpr = K.dtype.element_ty
+        st_k = gl.allocate_shared_memory(kv_dt, [KV8_STAGES, BLOCK_N, geo.DQ0], _layout8(geo.DQ0))
+        st_v = gl.allocate_shared_memory(kv_dt, [KV8_STAGES, BLOCK_N, geo.DV0], _layout8(geo.DV0))
+        if geo.DQ1 > 0:
+            st_k1 = gl.allocate_shared_memory(kv_dt, [KV8_STAGES, BLOCK_N, geo.DQ1], _layout8(geo.DQ1))
+        else:
+            st_k1 = st_k
+        if geo.DV1 > 0:
+            st_v1 = gl.allocate_shared_memory(kv_dt, [KV8_STAGES, BLOCK_N, geo.DV1], _layout8(geo.DV1))
+        else:
+            st_v1 = st_v
+        st_full = gl.allocate_shared_memory(gl.int64, [KV8_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(KV8_STAGES):
+            mbarrier.init(st_full.index(i), count=1 if USE_TMA else LOAD_WARPS * 32)
+        # (a 1-D buffer of a power of two elements, sliced per consumer)
+        q_f = gl.allocate_shared_memory(gl.float32, [4 * geo.SUB_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    else:  # (unused)
+        st_k = k_smem
+        st_k1 = k_smem
+        st_v = v_smem
+        st_v1 = v_smem
+        st_full = kv_full
+        q_f = kv_full
+    # dynamic != 0: items come off the work counter; the load warps hand them to the consumers
+    # through a ring of item ids (ITEM_RING slots, with full and empty barriers)
+    item_ids = gl.allocate_shared_memory(gl.int32, [ITEM_RING, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    item_full = gl.allocate_shared_memory(gl.int64, [ITEM_RING, 1], mbarrier.MBarrierLayout())
+    item_empty = gl.allocate_shared_memory(gl.int64, [ITEM_RING, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(ITEM_RING):
+        mbarrier.init(item_full.index(i), count=1)
+        mbarrier.init(item_empty.index(i), count=NC)
+    # Q_TMA: the load warps copy each item's Q (full, by bytes) once every consumer's last QK GEMM of
+    # the item before is done (empty)
+    if Q_TMA:
+        q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_full, count=1)
+        mbarrier.init(q_empty, count=NC)
+    else:  # (unused)
+        q_full = kv_full.index(0)
+        q_empty = kv_empty.index(0)
+    fence_async_shared()
+
+    # ints specialised to 1 arrive as constexprs; partitions take tensors
+    n_bh = gl.to_tensor(num_kv_heads) * batch_size
+    total = n_bh * num_m_blocks
+    sched = Schedule(
+        META,
+        BT,
+        gl.to_tensor(meta_stride),
+        gl.to_tensor(num_kv_heads),
+        n_bh,
+        gl.to_tensor(num_m_blocks),
+        gl.to_tensor(chunk_pairs),
+        total,
+        COUNTER,
+        gl.to_tensor(dynamic),
+        item_ids,
+        item_full,
+        item_empty,
+        gl.to_tensor(window),
+    )
+    ring = KVRing(k_smem, k1_smem, v_smem, v1_smem, kv_full, kv_empty)
+    stg = Staging(st_k, st_k1, st_v, st_v1, st_full)
+    slots = QSlots(q_smem, q1_smem, q_full, q_empty, q_f)
+    src = KVSource(
+        K,
+        V,
+        gl.to_tensor(num_pages),
+        gl.to_tensor(stride_kn),
+        gl.to_tensor(stride_kh),
+        gl.to_tensor(stride_ks),
+        gl.to_tensor(stride_vn),
+        gl.to_tensor(stride_vh),
+        gl.to_tensor(stride_vs),
+        gl.to_tensor(k_page_rows),
+        gl.to_tensor(k_head_off),
+        gl.to_tensor(v_page_rows),
+        gl.to_tensor(v_head_off),
+    )
+    out = OutSink(
+        Q,
+        gl.to_tensor(stride_qt),
+        gl.to_tensor(stride_qh),
+        Out,
+        LSE,
+        gl.to_tensor(stride_ot),
+        gl.to_tensor(stride_oh),
+        gl.to_tensor(num_heads_q),
+        gl.to_tensor(sm_scale_log2),
+        gl.to_tensor(softcap),
+        SINKS,
+        K_SCALE,
+        V_SCALE,
+    )
+    R0: gl.constexpr = 0
+    R1: gl.constexpr = geo.SUB_M
+    R2: gl.constexpr = 2 * geo.SUB_M
+    if NC == 2:
+        gl.warp_specialize(
+            [
+                (_consumer_partition, (sched, ring, slots, out, R0, geo)),
+                (_consumer_partition, (sched, ring, slots, out, R1, geo)),
+                (_load_partition, (sched, ring, stg, slots, src, k_desc, k1_desc, v_desc, v1_desc, q_desc, geo)),
+            ],
+            [4, LOAD_WARPS],
+            [CONS_REGS, LOAD_REGS],
+        )
+    else:
+        gl.warp_specialize(
+            [
+                (_consumer_partition, (sched, ring, slots, out, R0, geo)),
+                (_consumer_partition, (sched, ring, slots, out, R1, geo)),
+                (_consumer_partition, (sched, ring, slots, out, R2, geo)),
+                (_load_partition, (sched, ring, stg, slots, src, k_desc, k1_desc, v_desc, v1_desc, q_desc, geo)),
+            ],
+            [4, 4, LOAD_WARPS],
+            [CONS_REGS, CONS_REGS, LOAD_REGS],
+        )

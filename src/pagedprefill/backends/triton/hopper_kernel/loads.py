@@ -1,0 +1,352 @@
+"""The load warps: where K/V rows are in global memory (:class:`KVSource`: pages, ragged rows, TMA
+views), TMA and cp.async copies of K/V tiles and Q, the widening of 8-bit K/V, and the load
+partition."""
+
+# (no ``from __future__ import annotations``: Gluon aggregates check their fields' annotations)
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier, tma
+from triton.language.core import _aggregate as aggregate
+
+from .buffers import KVRing, QSlots, Staging
+from .geometry import Geometry, WorkItem, _window_range
+from .schedule import Schedule
+
+
+@aggregate
+class KVSource:
+    """Where K/V rows live in global memory (element strides) and their 2-D TMA views."""
+
+    K: gl.tensor
+    V: gl.tensor
+    num_pages: gl.tensor
+    stride_kn: gl.tensor  # row (ragged) or page stride
+    stride_kh: gl.tensor
+    stride_ks: gl.tensor  # slot stride (paged)
+    stride_vn: gl.tensor
+    stride_vh: gl.tensor
+    stride_vs: gl.tensor
+    k_page_rows: gl.tensor  # TMA view rows per page
+    k_head_off: gl.tensor  # TMA view rows (K_HEAD_ROWS) or columns per KV head
+    v_page_rows: gl.tensor
+    v_head_off: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(
+        self,
+        K,
+        V,
+        num_pages,
+        stride_kn,
+        stride_kh,
+        stride_ks,
+        stride_vn,
+        stride_vh,
+        stride_vs,
+        k_page_rows,
+        k_head_off,
+        v_page_rows,
+        v_head_off,
+    ):
+        self.K = K
+        self.V = V
+        self.num_pages = num_pages
+        self.stride_kn = stride_kn
+        self.stride_kh = stride_kh
+        self.stride_ks = stride_ks
+        self.stride_vn = stride_vn
+        self.stride_vh = stride_vh
+        self.stride_vs = stride_vs
+        self.k_page_rows = k_page_rows
+        self.k_head_off = k_head_off
+        self.v_page_rows = v_page_rows
+        self.v_head_off = v_head_off
+
+    @gluon.jit
+    def rows(self, w: WorkItem, t, geo: Geometry, LD: gl.constexpr):
+        """Element offsets (int64) of key tile t's K and V rows, as rows of layout LD, and the mask
+        of rows below ``hi``."""
+        cols = t * geo.BLOCK_N + gl.arange(0, geo.BLOCK_N, gl.SliceLayout(1, LD))
+        ok = cols < w.hi
+        if geo.PAGE_SIZE == 0:
+            k_off = (w.k_start + cols).to(gl.int64) * self.stride_kn
+            v_off = (w.v_start + cols).to(gl.int64) * self.stride_vn
+        else:
+            page = gl.load(w.BT_row + cols // geo.PAGE_SIZE, mask=ok, other=0)
+            page = gl.minimum(gl.maximum(page, 0), self.num_pages - 1).to(gl.int64)
+            slot = (cols % geo.PAGE_SIZE).to(gl.int64)
+            k_off = page * self.stride_kn + slot * self.stride_ks
+            v_off = page * self.stride_vn + slot * self.stride_vs
+        k_off = k_off + w.kv_head.to(gl.int64) * self.stride_kh
+        v_off = v_off + w.kv_head.to(gl.int64) * self.stride_vh
+        return k_off, v_off, ok
+
+    @gluon.jit
+    def gather(self, k_buf, k1_buf, v_buf, v1_buf, w: WorkItem, t, geo: Geometry):
+        """cp.async copies of key tile t's K rows (columns [0, DQ0) into k_buf, [DQ0, DQ0 + DQ1) into
+        k1_buf) and V rows (likewise into v_buf and v1_buf); rows at or past ``hi`` zero-filled."""
+        LD: gl.constexpr = _chunk_layout(geo.DQ0, geo.VEC, geo.LOAD_WARPS)
+        k_off, v_off, ok = self.rows(w, t, geo, LD)
+        _copy_cols(self.K, k_buf, k_off, ok, 0, geo.DQ0, LD)
+        if geo.DQ1 > 0:
+            LD1: gl.constexpr = _chunk_layout(geo.DQ1, geo.VEC, geo.LOAD_WARPS)
+            k1_off, _, ok1 = self.rows(w, t, geo, LD1)
+            _copy_cols(self.K, k1_buf, k1_off, ok1, geo.DQ0, geo.DQ1, LD1)
+        if geo.DV0 == geo.DQ0:  # (the same rows: their offsets once)
+            _copy_cols(self.V, v_buf, v_off, ok, 0, geo.DV0, LD)
+        else:
+            LDV: gl.constexpr = _chunk_layout(geo.DV0, geo.VEC, geo.LOAD_WARPS)
+            _, vv_off, okv = self.rows(w, t, geo, LDV)
+            _copy_cols(self.V, v_buf, vv_off, okv, 0, geo.DV0, LDV)
+        if geo.DV1 > 0:
+            LDV1: gl.constexpr = _chunk_layout(geo.DV1, geo.VEC, geo.LOAD_WARPS)
+            _, v1_off, okv1 = self.rows(w, t, geo, LDV1)
+            _copy_cols(self.V, v1_buf, v1_off, okv1, geo.DV0, geo.DV1, LDV1)
+
+
+@gluon.constexpr_function
+def _chunk_layout(cols, vec, warps):
+    """Rows of ``cols`` elements as ``vec``-element chunks, one per thread."""
+    tpc = cols // vec
+    return gl.BlockedLayout([1, vec], [32 // tpc, tpc], [warps, 1], [1, 0])
+
+
+@gluon.jit
+def _copy_cols(base, buf, off, ok, C0: gl.constexpr, COLS: gl.constexpr, LD: gl.constexpr):
+    """cp.async copies of columns [C0, C0 + COLS) of the rows at element offsets ``off`` into buf;
+    rows not ``ok`` zero-filled."""
+    d = C0 + gl.arange(0, COLS, gl.SliceLayout(0, LD))
+    async_copy.async_copy_global_to_shared(buf, base + off[:, None] + d[None, :], mask=ok[:, None])
+
+
+@gluon.jit
+def _tma_coords(row, kv_head, head_off, HEAD_ROWS: gl.constexpr):
+    """(row, column) of a head's key row in a cache's 2-D TMA view, from the head-0 row."""
+    if HEAD_ROWS:
+        return row + kv_head * head_off, 0
+    return row, kv_head * head_off
+
+
+@gluon.jit
+def _issue_q(q_desc, slots: QSlots, w: WorkItem, r, geo: Geometry):
+    """Load warps (Q_TMA): round r's Q rows, NC slots of 64 rows (64 / GROUP tokens x GROUP heads),
+    as bulk-tensor copies of [64 / GROUP, GROUP, 64] boxes of the 3-D view [tokens, heads, Dqk] of
+    q, once every consumer is past round r-1's last QK GEMM (``empty``); they complete on
+    ``full``. A box is the 64-column tile of a slot (128-byte rows, the same swizzled bytes as a 2-D
+    box). Rows past the sequence read other tokens or zeros (past q's end); their results are never
+    stored. An item without key tiles is signalled without copies (no consumer reads its Q)."""
+    DQ0: gl.constexpr = geo.DQ0
+    DQ1: gl.constexpr = geo.DQ1
+    GROUP: gl.constexpr = geo.GROUP
+    mbarrier.wait(slots.empty, (r & 1) ^ 1)  # (also for empty items: no phase may run ahead)
+    if w.n_tiles == 0:
+        mbarrier.arrive(slots.full)
+    else:
+        mbarrier.expect(slots.full, geo.NC * 64 * (DQ0 + DQ1) * 2)
+        for ci in gl.static_range(geo.NC):
+            tok = w.q_start + (w.row0 + ci * 64) // GROUP
+            for h in gl.static_range(DQ0 // 64):
+                dst = slots.q.index(ci).slice(h * 64, 64, dim=1)
+                dst = dst._reinterpret(slots.q.dtype, [64 // GROUP, GROUP, 64], q_desc.layout)
+                tma.async_copy_global_to_shared(q_desc, [tok, w.kv_head * GROUP, h * 64], slots.full, dst)
+            for h in gl.static_range(DQ1 // 64):  # (Dqk > 128: columns past 128 into q1)
+                dst = slots.q1.index(ci).slice(h * 64, 64, dim=1)
+                dst = dst._reinterpret(slots.q.dtype, [64 // GROUP, GROUP, 64], q_desc.layout)
+                tma.async_copy_global_to_shared(q_desc, [tok, w.kv_head * GROUP, DQ0 + h * 64], slots.full, dst)
+
+
+@gluon.jit
+def _tma_tile(bufs, idx, bar, src: KVSource, w: WorkItem, t, k_desc, k1_desc, v_desc, v1_desc, geo: Geometry):
+    """Bulk-tensor copies of key tile t (wholly below kv_len) into slot ``idx`` of ``bufs`` (a
+    :class:`KVRing` or :class:`Staging`), PAGE_BOX rows a box (one box never crosses a page),
+    completing on ``bar`` (its byte count set by the caller)."""
+    k_buf = bufs.k.index(idx)
+    k1_buf = bufs.k1.index(idx)
+    v_buf = bufs.v.index(idx)
+    v1_buf = bufs.v1.index(idx)
+    PAGE_SIZE: gl.constexpr = geo.PAGE_SIZE
+    PAGE_BOX: gl.constexpr = geo.PAGE_BOX
+    for p in gl.static_range(geo.BLOCK_N // PAGE_BOX):
+        pos = t * geo.BLOCK_N + p * PAGE_BOX
+        if PAGE_SIZE == 0:
+            k_row = w.k_start + pos
+            v_row = w.v_start + pos
+        else:
+            page = gl.load(w.BT_row + pos // PAGE_SIZE)
+            page = gl.minimum(gl.maximum(page, 0), src.num_pages - 1)
+            k_row = page * src.k_page_rows + pos % PAGE_SIZE
+            v_row = page * src.v_page_rows + pos % PAGE_SIZE
+        kr, kc = _tma_coords(k_row, w.kv_head, src.k_head_off, geo.K_HEAD_ROWS)
+        vr, vc = _tma_coords(v_row, w.kv_head, src.v_head_off, geo.V_HEAD_ROWS)
+        k_dst = k_buf.slice(p * PAGE_BOX, PAGE_BOX)
+        v_dst = v_buf.slice(p * PAGE_BOX, PAGE_BOX)
+        tma.async_copy_global_to_shared(k_desc, [kr, kc], bar, k_dst)
+        if geo.DQ1 > 0:
+            tma.async_copy_global_to_shared(k1_desc, [kr, kc + geo.DQ0], bar, k1_buf.slice(p * PAGE_BOX, PAGE_BOX))
+        if geo.DVO > 128:  # (V's TMA boxes are 128 columns wide: side by side)
+            for h in gl.static_range(geo.DVO // 128):
+                tma.async_copy_global_to_shared(v_desc, [vr, vc + h * 128], bar, v_dst.slice(h * 128, 128, dim=1))
+        else:
+            tma.async_copy_global_to_shared(v_desc, [vr, vc], bar, v_dst)
+        if geo.DV1 > 0:
+            tma.async_copy_global_to_shared(v1_desc, [vr, vc + geo.DV0], bar, v1_buf.slice(p * PAGE_BOX, PAGE_BOX))
+
+
+@gluon.jit
+def _stage(stg: Staging, slot, src: KVSource, w: WorkItem, t, k_desc, k1_desc, v_desc, v1_desc, geo: Geometry):
+    """KV8: start key tile t's 8-bit K/V on their way into staging slot ``slot``: TMA boxes for a tile
+    wholly below kv_len, else a zero-filling cp.async gather (TMA mode: committed as a group that
+    :func:`_staged` waits for; otherwise each thread's copies arrive on the slot's barrier)."""
+    bar = stg.full.index(slot)
+    if geo.USE_TMA and (t + 1) * geo.BLOCK_N <= w.kv_len:
+        mbarrier.expect(bar, geo.BLOCK_N * (geo.DQ0 + geo.DQ1 + geo.DVO))
+        _tma_tile(stg, slot, bar, src, w, t, k_desc, k1_desc, v_desc, v1_desc, geo)
+    else:
+        src.gather(stg.k.index(slot), stg.k1.index(slot), stg.v.index(slot), stg.v1.index(slot), w, t, geo)
+        if geo.USE_TMA:
+            async_copy.commit_group()
+        else:
+            async_copy.mbarrier_arrive(bar, increment_count=False)
+
+
+@gluon.jit
+def _staged(stg: Staging, n, w: WorkItem, t, geo: Geometry):
+    """KV8: wait until the load warps' n-th tile (key tile t of item w) has landed in its staging slot."""
+    slot = n % geo.S8
+    if geo.USE_TMA:
+        if (t + 1) * geo.BLOCK_N > w.kv_len:  # (gathered: its group, then one arrive for all threads)
+            async_copy.wait_group(0)
+            mbarrier.arrive(stg.full.index(slot))
+    mbarrier.wait(stg.full.index(slot), (n // geo.S8) & 1)
+
+
+@gluon.constexpr_function
+def _widen_rows(block_n, cols, warps):
+    """Rows widened at a time: 32 elements a thread (registers: 8 in, 16 out)."""
+    return min(block_n, 1024 * warps // cols)
+
+
+@gluon.constexpr_function
+def _widen_vec(cols):
+    return 8 if cols >= 128 else 16
+
+
+@gluon.jit
+def _widen_part(src_buf, dst_buf, COLS: gl.constexpr, geo: Geometry):
+    """KV8: the 8-bit tile in src_buf ([BLOCK_N, COLS]) -> dst_buf in the ring's 16-bit dtype, in
+    chunks of rows through registers. A 16-byte store phase is 8 threads: they must cover one
+    128-byte swizzle row of the 16-bit tile, so 16-bit rows of 256 bytes or more take 8 elements a
+    thread (16 put two threads of a phase on the same banks of two column blocks: 2-way conflicts)."""
+    L: gl.constexpr = _chunk_layout(COLS, _widen_vec(COLS), geo.LOAD_WARPS)
+    RCH: gl.constexpr = _widen_rows(geo.BLOCK_N, COLS, geo.LOAD_WARPS)
+    for r in gl.static_range(geo.BLOCK_N // RCH):
+        x = src_buf.slice(r * RCH, RCH).load(L)
+        dst_buf.slice(r * RCH, RCH).store(x.to(dst_buf.dtype))
+
+
+@gluon.jit
+def _widen(stg: Staging, slot, ring: KVRing, s, geo: Geometry):
+    """KV8: staging slot ``slot`` -> ring stage s (the caller fences and signals it)."""
+    _widen_part(stg.k.index(slot), ring.k.index(s), geo.DQ0, geo)
+    if geo.DQ1 > 0:
+        _widen_part(stg.k1.index(slot), ring.k1.index(s), geo.DQ1, geo)
+    _widen_part(stg.v.index(slot), ring.v.index(s), geo.DV0, geo)
+    if geo.DV1 > 0:
+        _widen_part(stg.v1.index(slot), ring.v1.index(s), geo.DV1, geo)
+
+
+@gluon.jit
+def _load_partition(
+    sched: Schedule,
+    ring: KVRing,
+    stg: Staging,
+    slots: QSlots,
+    src: KVSource,
+    k_desc,
+    k1_desc,
+    v_desc,
+    v1_desc,
+    q_desc,
+    geo: Geometry,
+):
+    """Load warps: fill stage c % STAGES with the program's c-th key tile (counted across its work
+    items) once every consumer released it.
+
+    cp.async mode: every load thread gathers rows and arrives when its own copies land (barrier
+    count = load threads). TMA mode (barrier count 1): tiles wholly below kv_len arrive as
+    bulk-tensor copies of PAGE_BOX rows each, completing on the barrier's byte count; the tile that
+    crosses kv_len is gathered with cp.async (rows past the keys zero-filled, so stale cache slots
+    never reach the PV GEMM) and signalled once all load threads' copies landed.
+
+    KV8: the same copies go into staging slot c % S8, S8 - 1 tiles of the item ahead of the one
+    being widened; the load warps widen each tile into its ring stage and signal it (count 1)."""
+    STAGES: gl.constexpr = geo.STAGES
+    BLOCK_N: gl.constexpr = geo.BLOCK_N
+    DQ0: gl.constexpr = geo.DQ0
+    DQ1: gl.constexpr = geo.DQ1
+    S8: gl.constexpr = geo.S8
+    c = gl.program_id(0) * 0  # tiles this program has loaded so far
+    r = gl.program_id(0) * 0  # rounds (items) so far
+    item = sched.claim(r)
+    while sched.more(item, r):
+        if sched.dynamic != 0:
+            sched.post(item, r, geo.LOAD_WARPS)
+        w = sched.work_item(item, geo, False)
+        if geo.WINDOW:  # (tiles wholly below every row's window are never loaded)
+            t_lo, _ = _window_range(w.row0, w.q_len, w.kv_len, w.n_tiles, sched.window, geo.BLOCK_M, geo)
+        else:
+            t_lo = 0
+        n_load = w.n_tiles - t_lo
+        # (Q_TMA: the item's Q goes out once its tile STAGES - 2 has a stage: the consumers have then
+        # released the tile two before it, so when the last item had >= 2 tiles they are past its last
+        # QK GEMM; with O_STAGE they hand the slots back only after the last item's epilogue read O
+        # from them, so the empty wait may wait for that; or after the item's last tile)
+        q_at = gl.minimum(n_load, STAGES - 2)
+        if geo.KV8:  # (the item's first S8 - 1 tiles into staging; the slots' last tiles are widened)
+            for j in gl.static_range(S8 - 1):
+                if j < n_load:
+                    _stage(stg, (c + j) % S8, src, w, t_lo + j, k_desc, k1_desc, v_desc, v1_desc, geo)
+        for i in range(n_load):
+            t = t_lo + i
+            s = (c + i) % STAGES
+            if geo.KV8:  # (slot (c + i - 1) % S8: widened in the last step, which ended in a group sync)
+                if i + S8 - 1 < n_load:
+                    nxt = c + i + S8 - 1
+                    _stage(stg, nxt % S8, src, w, t + S8 - 1, k_desc, k1_desc, v_desc, v1_desc, geo)
+            mbarrier.wait(ring.empty.index(s), (((c + i) // STAGES) & 1) ^ 1)
+            if geo.Q_TMA:
+                if i == q_at:
+                    _issue_q(q_desc, slots, w, r, geo)
+            if geo.KV8:
+                _staged(stg, c + i, w, t, geo)
+                _widen(stg, (c + i) % S8, ring, s, geo)
+                fence_async_shared()  # (the widened tiles' generic writes before the consumers' wgmma)
+                mbarrier.arrive(ring.full.index(s))  # (a group sync, then one arrive)
+            elif geo.USE_TMA:
+                if (t + 1) * BLOCK_N <= w.kv_len:
+                    mbarrier.expect(ring.full.index(s), 2 * BLOCK_N * (DQ0 + DQ1 + geo.DVO))
+                    _tma_tile(ring, s, ring.full.index(s), src, w, t, k_desc, k1_desc, v_desc, v1_desc, geo)
+                else:
+                    src.gather(ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo)
+                    async_copy.commit_group()
+                    async_copy.wait_group(0)
+                    # (arrive follows a barrier of the load warps: all their copies have landed)
+                    mbarrier.arrive(ring.full.index(s))
+            else:
+                src.gather(ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo)
+                async_copy.mbarrier_arrive(ring.full.index(s), increment_count=False)
+        if geo.Q_TMA:
+            if q_at == n_load:
+                _issue_q(q_desc, slots, w, r, geo)
+        c += n_load
+        r += 1
+        item = sched.claim(r)
+    if sched.dynamic != 0:  # (item >= total: the consumers' stop)
+        sched.post(item, r, geo.LOAD_WARPS)
+
+
+@gluon.constexpr_function
+def _layout8(cols):
+    """Shared layout of 8-bit tiles of ``cols`` columns (the host's TMA descriptors use the same)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=min(cols, 128), element_bitwidth=8, rank=2)

@@ -1,0 +1,155 @@
+"""Work items dealt to the persistent grid: static snake rounds or a per-call work counter, handed from
+the load warps to the consumers through a ring of item ids (:class:`Schedule`)."""
+
+# (no ``from __future__ import annotations``: Gluon aggregates check their fields' annotations)
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.language.core import _aggregate as aggregate
+
+from .geometry import Geometry, WorkItem, _key_range
+
+ITEM_RING = gl.constexpr(4)  # work items the load warps may hand out ahead (dynamic scheduling)
+
+
+@aggregate
+class Schedule:
+    """The work items of one launch and how a program gets its next one."""
+
+    META: gl.tensor
+    BT: gl.tensor  # page ids (paged): sequence b's start at metadata row bt_start
+    meta_stride: gl.tensor
+    num_kv_heads: gl.tensor
+    n_bh: gl.tensor  # (sequence, KV head) pairs
+    num_m_blocks: gl.tensor
+    chunk: gl.tensor  # pairs whose row blocks are dealt together
+    total: gl.tensor  # work items
+    counter: gl.tensor  # dynamic: the call's work counter (zeroed before the launch)
+    dynamic: gl.tensor
+    item_ids: gl.shared_memory_descriptor  # dynamic: item ids the load warps hand the consumers
+    item_full: gl.shared_memory_descriptor
+    item_empty: gl.shared_memory_descriptor
+    window: gl.tensor  # WINDOW: window_left
+
+    @gluon.constexpr_function
+    def __init__(
+        self,
+        META,
+        BT,
+        meta_stride,
+        num_kv_heads,
+        n_bh,
+        num_m_blocks,
+        chunk,
+        total,
+        counter,
+        dynamic,
+        item_ids,
+        item_full,
+        item_empty,
+        window,
+    ):
+        self.META = META
+        self.BT = BT
+        self.meta_stride = meta_stride
+        self.num_kv_heads = num_kv_heads
+        self.n_bh = n_bh
+        self.num_m_blocks = num_m_blocks
+        self.chunk = chunk
+        self.total = total
+        self.counter = counter
+        self.dynamic = dynamic
+        self.item_ids = item_ids
+        self.item_full = item_full
+        self.item_empty = item_empty
+        self.window = window
+
+    @gluon.jit
+    def num_rounds(self):
+        """Rounds of static scheduling: in round r every program takes one item."""
+        return (self.total + gl.num_programs(0) - 1) // gl.num_programs(0)
+
+    @gluon.jit
+    def round_item(self, r):
+        """Program p's item in round r: p in even rounds, the mirror in odd ones. Items shrink as
+        they go within a chunk of pairs (heaviest first), so the snake order evens out the
+        programs' sums."""
+        pid = gl.program_id(0)
+        return r * gl.num_programs(0) + pid + (r % 2) * (gl.num_programs(0) - 1 - 2 * pid)
+
+    @gluon.jit
+    def more(self, item, r):
+        """Whether round r (holding item) is one to run."""
+        dyn = self.dynamic != 0
+        return (dyn & (item < self.total)) | ((not dyn) & (r < self.num_rounds()))
+
+    @gluon.jit
+    def claim(self, r):
+        """Load warps: round r's item: the static round's, or the next one off the work counter,
+        so that a program takes its next item when its loads reach it."""
+        if self.dynamic != 0:
+            item = gl.atomic_add(self.counter, 1, sem="relaxed")
+        else:
+            item = self.round_item(r)
+        return item
+
+    @gluon.jit
+    def post(self, item, r, LOAD_WARPS: gl.constexpr):
+        """Load warps (dynamic): hand round r's item to the consumers through slot r % ITEM_RING."""
+        slot = r % ITEM_RING
+        mbarrier.wait(self.item_empty.index(slot), ((r // ITEM_RING) & 1) ^ 1)
+        self.item_ids.index(slot).store(gl.full([1], item, gl.int32, gl.BlockedLayout([1], [32], [LOAD_WARPS], [0])))
+        mbarrier.arrive(self.item_full.index(slot))
+
+    @gluon.jit
+    def take(self, r):
+        """Consumers: round r's item: the static round's, or (dynamic) the load warps' pick."""
+        if self.dynamic != 0:
+            slot = r % ITEM_RING
+            mbarrier.wait(self.item_full.index(slot), (r // ITEM_RING) & 1)
+            item = gl.max(self.item_ids.index(slot).load(gl.BlockedLayout([1], [32], [4], [0])), 0)
+            mbarrier.arrive(self.item_empty.index(slot))
+        else:
+            item = self.round_item(r)
+        return item
+
+    @gluon.jit
+    def work_item(self, item, geo: Geometry, WITH_LSE: gl.constexpr):
+        """Work item -> its sequence, KV head, row block and key range. Items run heaviest row block
+        first within a chunk of (sequence, KV head) pairs; ``item >= total`` (a last round's missing
+        items) decodes as the last item with ``q_len = 0``: no tiles, no stores."""
+        total = self.n_bh * self.num_m_blocks
+        valid = item < total
+        item = gl.minimum(item, total - 1)  # (so that b < batch size: META is read unmasked)
+        # chunks of `chunk` pairs, one after the other; in a chunk, row blocks heaviest first (z),
+        # then pairs: items running at once share their pairs' K/V in L2
+        k = item // (self.chunk * self.num_m_blocks)
+        within = item - k * (self.chunk * self.num_m_blocks)
+        in_chunk = gl.minimum(self.chunk, self.n_bh - k * self.chunk)  # (the last chunk may be short)
+        z = within // in_chunk
+        rem = k * self.chunk + within - z * in_chunk
+        b = rem // self.num_kv_heads
+        kv_head = rem - b * self.num_kv_heads
+        row0 = (self.num_m_blocks - 1 - z) * geo.BLOCK_M
+        META = self.META
+        meta_stride = self.meta_stride
+        q_len = gl.where(valid, gl.load(META + b), 0)
+        kv_len = gl.load(META + meta_stride + b)
+        q_start = gl.load(META + 2 * meta_stride + b)
+        o_start = gl.load(META + 3 * meta_stride + b)
+        lse_start = q_len * 0
+        if WITH_LSE:
+            lse_start = gl.load(META + 6 * meta_stride + b)
+        if geo.PAGE_SIZE > 0:
+            BT_row = self.BT + gl.load(META + 7 * meta_stride + b).to(gl.int64)
+            k_start = q_len * 0
+            v_start = q_len * 0
+        else:
+            BT_row = self.BT
+            k_start = gl.load(META + 4 * meta_stride + b)
+            v_start = gl.load(META + 5 * meta_stride + b)
+        hi, n_tiles, full = _key_range(row0, q_len, kv_len, geo.BLOCK_M, geo)
+        return WorkItem(
+            kv_head, row0, q_len, kv_len, q_start, o_start, lse_start, BT_row, k_start, v_start, hi, full, n_tiles
+        )
