@@ -19,6 +19,11 @@ The state is grouped in aggregates: :class:`Geometry` (compile-time shape of the
 memory and its barriers), :class:`KVSource` (where K/V rows are in global memory) and
 :class:`WorkItem` (one item's sequence, head, rows and key range).
 
+Files by concern: ``geometry`` (shape, work item), ``schedule`` (dealing items), ``buffers`` (shared
+memory rings), ``loads`` (the load partition, TMA / cp.async, 8-bit widening), ``softmax`` (the
+online softmax and O's lazy rescale), ``consumer`` (the consumer partition and epilogue), ``kernel``
+(the entry).
+
 Lengths, offsets and page ids are read on the device; page ids are clamped; rows with no visible
 key get out 0 and lse -inf.
 """
