@@ -300,7 +300,8 @@ _AOT = textwrap.dedent(
             regs = sorted(set(re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)))
             bulk = ptx.count("cp.async.bulk.tensor")
             stsm = ptx.count("stmatrix")
-            print("RESULT", d, page, c.metadata.shared, spill, overlap, ",".join(regs), bulk, stsm,
+            lazy = ptx.count("vote.sync.any.pred") > 0 and ptx.count("bra.uni SKIP") > 0
+            print("RESULT", d, page, c.metadata.shared, spill, overlap, lazy, ",".join(regs), bulk, stsm,
                   kwargs["USE_TMA"], kwargs["Q_TMA"], kwargs["O_STAGE"], plan.cfg.consumer_regs, plan.cfg.load_regs,
                   flush=True)
     """
@@ -329,8 +330,8 @@ SPECS = [
 
 def test_compiles_for_sm90(tmp_path):
     """The real launches compile for sm_90: within shared memory, spills bounded, a wgmma group left
-    in flight across the softmax, the register split applied, TMA copies exactly where planned, O
-    staged (stmatrix) exactly where planned."""
+    in flight across the softmax, O's rescale behind the warp vote, the register split applied, TMA
+    copies exactly where planned, O staged (stmatrix) exactly where planned."""
     script = _AOT.format(tests=str(ROOT / "tests"), specs=SPECS)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
@@ -338,15 +339,30 @@ def test_compiles_for_sm90(tmp_path):
     assert res.returncode == 0, res.stderr[-4000:]
     results = [line.split() for line in res.stdout.splitlines() if line.startswith("RESULT")]
     assert len(results) == len(SPECS), res.stdout
-    for _, d, page, shared, spill, overlap, regs, bulk, stsm, use_tma, q_tma, o_stage, cregs, lregs in results:
+    for _, d, page, shared, spill, overlap, lazy, regs, bulk, stsm, use_tma, q_tma, o_stage, cregs, lregs in results:
         assert int(shared) <= 227 * 1024, (d, page, shared)
         # the load warps (56 registers) spill hoisted gather addresses on their cp.async path and,
         # with the work counter, the item ring's state; the consumers do not spill in the key loop
         assert int(spill) <= 416, (d, page, spill)
         assert overlap == "True", "no PV GEMM left in flight across the softmax"
+        assert lazy == "True", "O's rescale is not behind the warp vote (lazy rescale)"
         assert cregs in regs.split(",") and lregs in regs.split(","), regs
         assert (int(bulk) > 0) == (use_tma == "True" or q_tma == "True"), (d, page, bulk)
         assert (int(stsm) > 0) == (o_stage == "1"), (d, page, stsm)
+
+
+def test_rescale_asm_ties_outputs_to_the_accumulator():
+    """The lazy rescale's PTX: n outputs tied to the n accumulator inputs, each multiplied by its own
+    factor ($2n + i), the whole block skipped on the vote ($3n) by a warp-uniform branch."""
+    from pagedprefill.backends.triton.hopper_kernel import softmax as sm
+
+    for n in (2, 16):
+        asm = sm._rescale_asm.fn(n)
+        cons = sm._rescale_constraints.fn(n).split(",")
+        assert cons == ["=f"] * n + [str(i) for i in range(n)] + ["f"] * n + ["r"] * n
+        assert f"setp.ne.u32 p, ${3 * n}, 0; @!p bra.uni SKIP;" in asm and asm.rstrip().endswith("SKIP: }")
+        muls = [m for m in asm.split(";") if "mul.f32" in m]
+        assert [m.split() for m in muls] == [["mul.f32", f"${i},", f"${i},", f"${2 * n + i}"] for i in range(n)]
 
 
 # --------------------------------------------------------------------------------------------
