@@ -101,6 +101,22 @@ def breakdown(name: str, p, lb) -> None:
     be.run = real
     t = seen["t"]
     rows = {"plan.run": lambda: p.run(q, k, v, out=out), "backend.run(t)": lambda: be.run(t)}
+    if hasattr(be, "execute") and hasattr(be, "views"):  # cuDNN: the preparation launch and the graph apart
+        views = be.views(t.scratch)
+        rows["cudnn graph execute"] = lambda: be.execute(t, views)
+        be_exec = be.execute
+        be.execute = lambda *a: None
+        rows["cudnn run, no graph"] = lambda: be.run(t)
+        print(f"  {name} {'cudnn run, no graph':24s} {burst_us(lambda: be.run(t)):7.2f} µs")
+        be.execute = be_exec
+        del rows["cudnn run, no graph"]
+    if getattr(lp, "bounds", None) is not None and p.vectors is not None:  # the device table alone
+        from pagedprefill import workspace
+
+        meta = t.meta
+        rows["device table launch"] = lambda: workspace.write_device_table(lp.bounds, p.vectors, meta, lp.table_launch)
+    if hasattr(t.scratch, "zero_"):
+        rows["scratch[:4].zero_()"] = lambda: t.scratch[:4].zero_()
     bound = getattr(be, "_bound", None)
     if bound:
         tensors = be._tensors(t)
@@ -147,7 +163,7 @@ def main() -> None:
                 for kw in kws:
                     cases.prefill(**kw, backend=be)
 
-            if be == "triton":
+            if be in ("triton", "cudnn"):
                 breakdown(f"{cname} {be}", p, lb)
             profile(f"{cname} {be} plan.run", plan_step, n, a.reps, a.out)
             profile(f"{cname} {be} one-shot", one_shot, n, a.reps, a.out)
