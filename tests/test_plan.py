@@ -158,6 +158,43 @@ def test_gpu_plan_run_every_backend(backend, device_lengths):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("page_size,offsets", [(16, "none"), (0, "elements")])
+def test_gpu_device_table_zeroes_the_work_counter(page_size, offsets, monkeypatch):
+    """Device lengths and a Hopper launch off its work counter (max_q > 1024): the device table's
+    launch zeroes the counter, so no separate zeroing runs. Each run starts from a workspace full of
+    0x7f bytes (a counter left there would hand out no work item: out would keep its poison)."""
+    case = make_case(
+        12,
+        lens_q=[1500, 0, 1100, 33],
+        lens_kv=[1600, 30, 1100, 600],
+        hq=12,
+        hkv=4,
+        dqk=128,
+        page_size=page_size,
+        offsets=offsets,
+        dtype=BF16,
+        device="cuda",
+        lens_on_device=True,
+    )
+    p = plan_of(case, "triton")
+    kw = case.kwargs
+    zeroed = []
+    real = torch.Tensor.zero_
+    monkeypatch.setattr(torch.Tensor, "zero_", lambda self: zeroed.append(self.numel()) or real(self))
+    for _ in range(3):
+        p.workspace.fill_(0x7F)
+        poison(kw["out"])
+        poison(kw["lse"])
+        out, lse = p.run(kw["q"], kw["k_cache"], kw["v_cache"], kw["out"], kw["lse"])
+        check(case, out, lse, atol=atol_for(BF16), lse_atol=2e-2)
+    (lp,) = p.layers.values()
+    if lp.name == "triton" and getattr(lp.backend, "dynamic", 0):
+        assert lp.zero and not zeroed, zeroed
+    else:
+        pytest.skip(f"not the Hopper kernel off its work counter here ({lp.name}, {type(lp.backend).__name__})")
+
+
+@pytest.mark.gpu
 def test_gpu_plan_captured_in_a_cuda_graph_follows_device_lengths():
     """A plan over device lengths / table, captured once, replayed after their contents change."""
     from test_backend_triton import graph_case

@@ -38,6 +38,7 @@ class LayerPlan:
         "disjoint",
         "views",
         "table_launch",
+        "zero",
     )
 
     def __init__(self, batch: PrefillBatch, backend, name: str, meta_bytes: int, out_shape, lse_shape, bounds, ret):
@@ -48,6 +49,8 @@ class LayerPlan:
         self.disjoint: set[tuple] = set()  # address combinations checked (the names come in one order)
         self.views = None  # (workspace, meta, scratch) of the plan's own workspace, once carved
         self.table_launch = LaunchSlot()  # the device table's launch, bound after its first one
+        # whether the device table's launch zeroes the backend's first scratch bytes (its work counter)
+        self.zero = batch.device_metadata and bool(getattr(backend, "zeroed_scratch", False))
 
     def check_overlaps(self, tensors: tuple, names) -> None:
         """:func:`normalise.check_spans` for this layout's tensors (``names()`` gives their argument
@@ -283,7 +286,7 @@ class PrefillPlan:
                 if self._copy_event is not None:
                     self._wait_copy()
             else:
-                workspace.write_device_table(lp.bounds, vectors, meta, lp.table_launch)
+                workspace.write_device_table(lp.bounds, vectors, meta, scratch if lp.zero else None, lp.table_launch)
             q_s, k_s, v_s = (_device_scale(s, dev) for s in scales) if scaled else (None, None, None)
             t = CallTensors(
                 q,
@@ -298,6 +301,7 @@ class PrefillPlan:
                 v_s,
                 sinks,
                 scratch,
+                lp.zero,
             )
             lp.backend.run(t)
         finally:

@@ -69,10 +69,17 @@ def bounds(batch: PrefillBatch, vecs: DeviceVectors, num_indices: int) -> Bounds
     )
 
 
-def write_device_table(bd: Bounds, vecs: DeviceVectors, meta: Tensor, slot: launch.LaunchSlot | None = None) -> None:
-    """Fill ``meta`` from device vectors without a host sync (one Triton launch where Triton runs;
-    ``slot``: see :func:`~pagedprefill.kernels.metadata.device_table_triton`)."""
-    args = (bd, vecs.lens_q, vecs.lens_kv, vecs.offsets, vecs.kv_indptr, vecs.kv_last_page_len, meta)
+def write_device_table(
+    bd: Bounds,
+    vecs: DeviceVectors,
+    meta: Tensor,
+    zero: Tensor | None = None,
+    slot: launch.LaunchSlot | None = None,
+) -> None:
+    """Fill ``meta`` from device vectors without a host sync (one Triton launch where Triton runs),
+    and the first ``metadata.ZERO_BYTES`` bytes of ``zero`` (the backend's scratch, or None) in it;
+    ``slot``: see :func:`~pagedprefill.kernels.metadata.device_table_triton`."""
+    args = (bd, vecs.lens_q, vecs.lens_kv, vecs.offsets, vecs.kv_indptr, vecs.kv_last_page_len, meta, zero)
     if meta.is_cuda and launch.unavailable_reason(meta.device) is None:
         device_table_triton(*args, slot=slot)
     else:

@@ -20,6 +20,8 @@ from pagedprefill.kernels.launch import LaunchSlot, fast_launch, triton
 if triton is not None:
     import triton.language as tl
 
+ZERO_BYTES = 16  # what a table's launch may zero besides (a backend's work counter: one launch less)
+
 
 @dataclass(frozen=True)
 class Bounds:
@@ -42,8 +44,13 @@ class Bounds:
     units: dict  # name -> elements per token (1 for token offsets)
 
 
-def device_table_torch(bounds: Bounds, lens_q, lens_kv, offsets, indptr, last, meta: Tensor) -> None:
-    """Fill ``meta`` (8, B) int32 from device vectors with torch ops (the definition)."""
+def device_table_torch(
+    bounds: Bounds, lens_q, lens_kv, offsets, indptr, last, meta: Tensor, zero: Tensor | None = None
+) -> None:
+    """Fill ``meta`` (8, B) int32 from device vectors with torch ops (the definition); ``zero``: a
+    uint8 tensor whose first :data:`ZERO_BYTES` bytes a backend needs zeroed (a work counter)."""
+    if zero is not None:
+        zero[:ZERO_BYTES].zero_()
     bd = bounds
     dev = meta.device
     i64 = torch.int64
@@ -169,15 +176,20 @@ if triton is not None:
         unit_s,
         num_heads,
         lse_b_stride,
+        ZERO,
         HAS_OQ: tl.constexpr,
         HAS_OO: tl.constexpr,
         HAS_OK: tl.constexpr,
         HAS_OV: tl.constexpr,
         PAGES: tl.constexpr,
         LSE_MODE: tl.constexpr,
+        N_ZERO: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        """:func:`device_table_torch` in one program (prefix sums carried across BLOCK-sized chunks)."""
+        """:func:`device_table_torch` in one program (prefix sums carried across BLOCK-sized chunks);
+        with ``N_ZERO``, the ``N_ZERO`` bytes at ``ZERO`` zeroed too."""
+        if N_ZERO > 0:
+            tl.store(ZERO + tl.arange(0, N_ZERO), tl.zeros([N_ZERO], ZERO.dtype.element_ty))
         big = 2147483647
         carry_q = tl.zeros([], tl.int64)
         carry_kv = tl.zeros([], tl.int64)
@@ -258,22 +270,36 @@ else:
 
 
 def device_table_triton(
-    bounds: Bounds, lens_q, lens_kv, offsets, indptr, last, meta: Tensor, slot: LaunchSlot | None = None
+    bounds: Bounds,
+    lens_q,
+    lens_kv,
+    offsets,
+    indptr,
+    last,
+    meta: Tensor,
+    zero: Tensor | None = None,
+    slot: LaunchSlot | None = None,
 ) -> None:
-    """:func:`device_table_torch` as one Triton launch (Triton must run on meta's device).
+    """:func:`device_table_torch` as one Triton launch (Triton must run on meta's device); ``zero``:
+    a uint8 tensor whose first :data:`ZERO_BYTES` bytes the same launch zeroes.
 
     ``slot``: kept by the caller for calls whose bounds and vector layouts are fixed (a plan's
     layout): the launch bound to them after the first call."""
     bd = bounds
     n = meta.shape[1]
+    if zero is not None and (zero.dtype != torch.uint8 or zero.numel() < ZERO_BYTES):
+        raise ValueError(f"zero: expected >= {ZERO_BYTES} uint8 bytes, got {zero.numel()} of {zero.dtype}")
     if n == 0:
+        if zero is not None:
+            zero[:ZERO_BYTES].zero_()
         return
     names = ("q", "o", "k", "v", "stats")
     vecs = [offsets.get(k) if offsets.get(k) is not None else lens_q for k in names]
     lkv = lens_kv if lens_kv is not None else lens_q
     ip = indptr if indptr is not None else lens_q
     lp = last if last is not None else lens_q
-    if slot is not None and slot.launch((meta, lens_q, lkv, *vecs, ip, lp)):
+    zt = zero if zero is not None else meta
+    if slot is not None and slot.launch((meta, lens_q, lkv, *vecs, ip, lp, zt), zero is not None):
         return
     strides = [offsets[k].stride(0) if offsets.get(k) is not None else 0 for k in names]
     args = (
@@ -304,6 +330,7 @@ def device_table_triton(
         *(bd.units[k] for k in names),
         bd.num_heads,
         bd.max_q * bd.num_heads,
+        zt,
     )
     kwargs = dict(
         HAS_OQ="q" in offsets,
@@ -312,10 +339,11 @@ def device_table_triton(
         HAS_OV=bd.pages == 0 and "v" in offsets,
         PAGES=bd.pages,
         LSE_MODE=bd.lse_mode,
+        N_ZERO=ZERO_BYTES if zero is not None else 0,
         BLOCK=1024,
         num_warps=4,
     )
     if slot is not None:
-        slot.run(_metadata_kernel, (1,), args, kwargs)
+        slot.run(_metadata_kernel, (1,), args, kwargs, zero is not None)
     else:
         fast_launch(_metadata_kernel, (1,), args, kwargs)

@@ -290,6 +290,7 @@ class HopperPlan:
         self.box = _page_box(batch, cfg)
         self.chunk = min(cfg.chunk, total) if cfg.chunk > 0 else total
         self.dynamic = int(bool(cfg.dynamic))
+        self.zeroed_scratch = bool(self.dynamic)  # (the counter: zeroed by a device table's launch, if any)
         self._kwargs: dict = {}
         # after the first launch: the compiled kernel bound to this layout's fixed arguments, and which
         # of (k_desc, k1_desc, v_desc, v1_desc, q_desc) it takes (the layout decides)
@@ -410,7 +411,7 @@ class HopperPlan:
         return tuple(i for i, present in zip((1, 1, 2, 2, 0), self._descs_present) if present)
 
     def run(self, t: CallTensors) -> None:
-        if self.dynamic:
+        if self.dynamic and not t.zeroed:
             t.scratch[:4].zero_()
         bound = self._bound
         if bound is not None and bound(self._tensors(t)):
