@@ -1518,22 +1518,29 @@ def test_fp8_refusal_or_result():
 
 @pytest.mark.parametrize("paged, lse, sinks, fp8", [(True, True, False, False), (False, False, True, True)])
 def test_raw_addresses_are_the_public_operands(paged, lse, sinks, fp8):
-    """The raw execution's addresses name exactly the operands the public execute binds, at their
-    addresses: the scratch's kept per views, the call's read again on every run."""
+    """The raw execution's addresses are exactly the operands the public execute binds, each in its
+    slot, at its address: the scratch's from a template kept per views, the call's read again on
+    every run (new tensors each call)."""
     plan = object.__new__(cb.CudnnPlan)
     plan.graph = types.SimpleNamespace(spec=types.SimpleNamespace(paged=paged, lse=lse, sinks=sinks, fp8=fp8))
     ints = torch.zeros(graph.ROWS, 8, dtype=torch.int32)
     table = torch.zeros(3, 4, dtype=torch.int32) if paged else None
     floats = torch.zeros(8) if fp8 else None
-    views = cb._Views(ints, table, floats, torch.zeros(16, dtype=torch.uint8), {})
+    views = cb._Views(ints, table, floats, torch.zeros(16, dtype=torch.uint8))
 
     def call():
         names = ("q", "k", "v", "out", "lse", "sinks", "q_scale", "k_scale", "v_scale")
         return types.SimpleNamespace(**{n: torch.randn(5) for n in names})
 
+    names = list(plan._operands(call(), views))
+    random.Random(3).shuffle(names)
+    slots = (*names[:2], 4242, *names[2:])  # (an address the graph binds itself among them)
+    raw = graph.RawExecute(None, tuple(slots), -1)
     for t in (call(), call()):
         ops = plan._operands(t, views)
-        assert plan._addresses(t, views) == {n: x.data_ptr() for n, x in ops.items()}
+        want = [ops[x].data_ptr() if type(x) is str else x for x in slots]
+        assert list(plan._raw_addresses(raw, t, views)) == want
+    assert views.raw[0] is raw
     assert ("table_k" in ops) == paged and ("off_k" in ops) == (not paged)
     assert ("stats" in ops) == lse and ("sinks" in ops) == sinks and ("descale_q" in ops) == fp8
 
@@ -1566,7 +1573,10 @@ def test_raw_execute_orders_addresses_by_the_graphs_slots(monkeypatch):
     module = types.SimpleNamespace(__version__="1.32.0")
     monkeypatch.setattr(graph, "cudnn_module", lambda: module)
     raw = graph.RawExecute.of(frontend([3, 5, 7, 9], bindings={5: 4242}))
-    raw({"q": 100, "k": 200, "o": 300}, 77, types.SimpleNamespace(backend_handle=11))
+    addrs, holes = raw.template({"q": 100, "k": 200})
+    assert holes == ((3, "o"),)
+    addrs[3] = 300
+    raw(addrs, 77, types.SimpleNamespace(backend_handle=11))
     assert got == [([200, 4242, 100, 300], 77, 11, -1)]
     assert graph.RawExecute.of(frontend([3, 5, 7, 9])) is None  # (slot 5: neither named nor bound)
     assert graph.RawExecute.of(frontend([3, 7, 9], engine=object())) is None

@@ -38,6 +38,7 @@ class LayerPlan:
         "disjoint",
         "views",
         "table_launch",
+        "table_tensors",
         "zero",
     )
 
@@ -49,6 +50,7 @@ class LayerPlan:
         self.disjoint: set[tuple] = set()  # address combinations checked (the names come in one order)
         self.views = None  # (workspace, meta, scratch) of the plan's own workspace, once carved
         self.table_launch = LaunchSlot()  # the device table's launch, bound after its first one
+        self.table_tensors = None  # (meta, its tensor arguments) for the plan's own workspace and vectors
         # whether the device table's launch zeroes the backend's first scratch bytes (its work counter)
         self.zero = batch.device_metadata and bool(getattr(backend, "zeroed_scratch", False))
 
@@ -286,7 +288,13 @@ class PrefillPlan:
                 if self._copy_event is not None:
                     self._wait_copy()
             else:
-                workspace.write_device_table(lp.bounds, vectors, meta, scratch if lp.zero else None, lp.table_launch)
+                tt = lp.table_tensors
+                own = vectors is self.vectors
+                if tt is None or tt[0] is not meta or not own or not lp.table_launch.launch(tt[1], lp.zero):
+                    zero = scratch if lp.zero else None
+                    workspace.write_device_table(lp.bounds, vectors, meta, zero, lp.table_launch)
+                    if own and lp.views is not None and lp.views[1] is meta:
+                        lp.table_tensors = (meta, workspace.table_tensors(vectors, meta, zero))
             q_s, k_s, v_s = (_device_scale(s, dev) for s in scales) if scaled else (None, None, None)
             t = CallTensors(
                 q,

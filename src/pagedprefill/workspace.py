@@ -19,7 +19,7 @@ from torch import Tensor
 
 from pagedprefill.batch import META_FIELDS, DeviceVectors, HostMetadata, PrefillBatch, Sequences, fail, per_token
 from pagedprefill.kernels import launch
-from pagedprefill.kernels.metadata import Bounds, device_table_torch, device_table_triton
+from pagedprefill.kernels.metadata import Bounds, device_table_torch, device_table_triton, launch_tensors
 
 META_ALIGN = 256  # bytes; the backend scratch starts at this alignment after a carved table
 
@@ -84,6 +84,12 @@ def write_device_table(
         device_table_triton(*args, slot=slot)
     else:
         device_table_torch(*args)
+
+
+def table_tensors(vecs: DeviceVectors, meta: Tensor, zero: Tensor | None) -> tuple:
+    """What the device table's launch, once bound to a :class:`~pagedprefill.kernels.launch.LaunchSlot`,
+    takes for these tensors (a plan keeps it for its own workspace)."""
+    return launch_tensors(vecs.lens_q, vecs.lens_kv, vecs.offsets, vecs.kv_indptr, vecs.kv_last_page_len, meta, zero)
 
 
 def carve(ws: Tensor, bsz: int, device_meta: bool) -> tuple[Tensor | None, Tensor]:

@@ -269,6 +269,16 @@ else:
     _metadata_kernel = None
 
 
+def launch_tensors(lens_q, lens_kv, offsets, indptr, last, meta: Tensor, zero: Tensor | None) -> tuple:
+    """The table launch's tensor arguments in order (absent ones stand in as another tensor): what a
+    :class:`~pagedprefill.kernels.launch.LaunchSlot` bound to it takes."""
+    vecs = [offsets.get(k) if offsets.get(k) is not None else lens_q for k in ("q", "o", "k", "v", "stats")]
+    lkv = lens_kv if lens_kv is not None else lens_q
+    ip = indptr if indptr is not None else lens_q
+    lp = last if last is not None else lens_q
+    return (meta, lens_q, lkv, *vecs, ip, lp, zero if zero is not None else meta)
+
+
 def device_table_triton(
     bounds: Bounds,
     lens_q,
@@ -293,14 +303,11 @@ def device_table_triton(
         if zero is not None:
             zero[:ZERO_BYTES].zero_()
         return
-    names = ("q", "o", "k", "v", "stats")
-    vecs = [offsets.get(k) if offsets.get(k) is not None else lens_q for k in names]
-    lkv = lens_kv if lens_kv is not None else lens_q
-    ip = indptr if indptr is not None else lens_q
-    lp = last if last is not None else lens_q
-    zt = zero if zero is not None else meta
-    if slot is not None and slot.launch((meta, lens_q, lkv, *vecs, ip, lp, zt), zero is not None):
+    tensors = launch_tensors(lens_q, lens_kv, offsets, indptr, last, meta, zero)
+    if slot is not None and slot.launch(tensors, zero is not None):
         return
+    meta, lens_q, lkv, *vecs, ip, lp, zt = tensors
+    names = ("q", "o", "k", "v", "stats")
     strides = [offsets[k].stride(0) if offsets.get(k) is not None else 0 for k in names]
     args = (
         meta,

@@ -11,6 +11,8 @@ that sequence's output. Those slots must hold finite values (any finite garbage 
 
 from __future__ import annotations
 
+import array
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +27,23 @@ from .graph import graph_builds  # noqa: F401  (re-exported: the benchmark count
 
 NAME = "cudnn"
 _AVAILABLE: set[int] = set()  # device indices where unavailable_reason() said None
+
+
+# a graph operand a call brings -> where the run's tensors hold it (as _call_operands names them)
+_CALL_OPERAND = {
+    name: operator.attrgetter(attr)
+    for name, attr in (
+        ("q", "q"),
+        ("k", "k"),
+        ("v", "v"),
+        ("o", "out"),
+        ("stats", "lse"),
+        ("sinks", "sinks"),
+        ("descale_q", "q_scale"),
+        ("descale_k", "k_scale"),
+        ("descale_v", "v_scale"),
+    )
+}
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -74,7 +93,7 @@ class _Views:
     table: Tensor | None  # (Bb, table_width) int32
     floats: Tensor | None  # (8,) float32 (fp8 only)
     workspace: Tensor  # uint8 cuDNN workspace
-    fixed: dict  # operand name -> address of the operands that live in the scratch (filled once)
+    raw: tuple | None = None  # (RawExecute, its address template, the per-call holes) for this scratch
 
 
 class CudnnPlan:
@@ -118,7 +137,7 @@ class CudnnPlan:
         if spec.fp8:
             floats = i32[lay.floats // 4 : lay.floats // 4 + 8].view(torch.float32)
         ws = scratch[base + lay.workspace : base + lay.workspace + lay.workspace_size]
-        views = _Views(ints, table, floats, ws, {})
+        views = _Views(ints, table, floats, ws)
         self._views = (ptr, views)
         self._static = None
         return views
@@ -159,32 +178,38 @@ class CudnnPlan:
     def _operands(self, t: CallTensors, views: _Views) -> dict[str, Any]:
         return {**self._scratch_operands(views), **self._call_operands(t)}
 
-    def _addresses(self, t: CallTensors, views: _Views) -> dict[str, int]:
-        """Operand name -> address: the scratch's operands once per views, the call's every run."""
-        if not views.fixed:
-            views.fixed.update((n, x.data_ptr()) for n, x in self._scratch_operands(views).items())
-        ptrs = dict(views.fixed)
-        ptrs.update((n, x.data_ptr()) for n, x in self._call_operands(t).items())
-        return ptrs
-
     def execute(self, t: CallTensors, views: _Views) -> None:
         """Bind every operand and run the built graph on torch's current stream: after the graph's first
-        execution through the frontend's public call, by :class:`graph.RawExecute` where it applies."""
+        execution through the frontend's public call, by :class:`graph.RawExecute` where it applies
+        (the scratch's operands' addresses in a template made once per scratch, the call's filled in)."""
         plan = self.graph
         if plan.spec.fp8:
             views.floats[:3].copy_(plan.consts.fp8)
         dev = graph.device_index(self.batch.device)
         h = graph.handle(dev)
         graph.cudnn_module().set_stream(h, graph.current_stream(dev))
-        if plan.raw:
+        raw = plan.raw
+        if raw:
             try:
-                plan.raw(self._addresses(t, views), views.workspace.data_ptr(), h)
+                raw(self._raw_addresses(raw, t, views), views.workspace.data_ptr(), h)
                 return
             except TypeError:  # (the internals changed shape: the public call from here on)
                 plan.raw = False
         self._execute_public(t, views, h)
         if plan.raw is None:
             plan.raw = graph.RawExecute.of(plan) or False
+
+    def _raw_addresses(self, raw: graph.RawExecute, t: CallTensors, views: _Views) -> array.array:
+        """Every operand's address in ``raw``'s slot order: the scratch's from the views' template
+        (made once), the call's read again."""
+        tpl = views.raw
+        if tpl is None or tpl[0] is not raw:
+            fixed = {n: x.data_ptr() for n, x in self._scratch_operands(views).items()}
+            tpl = views.raw = (raw, *raw.template(fixed))
+        addrs = array.array("q", tpl[1])
+        for i, name in tpl[2]:
+            addrs[i] = _CALL_OPERAND[name](t).data_ptr()
+        return addrs
 
     def _execute_public(self, t: CallTensors, views: _Views, h: Any) -> None:
         plan = self.graph

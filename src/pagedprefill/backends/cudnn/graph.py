@@ -400,9 +400,23 @@ class RawExecute:
         except Exception:  # (internals other than those read)
             return None
 
-    def __call__(self, ptrs: dict, workspace: int, handle: Any) -> None:
-        """Run with ``ptrs`` (operand name -> address) and the workspace address on the handle's stream."""
-        addrs = array.array("q", [ptrs[x] if type(x) is str else x for x in self.slots])
+    def template(self, fixed: dict) -> tuple[array.array, tuple]:
+        """``(addresses, holes)``: the address array with ``fixed``'s operands (name -> address) and the
+        graph's own in place, and ``(slot, name)`` of each operand left to fill per call."""
+        vals, holes = [], []
+        for i, x in enumerate(self.slots):
+            if type(x) is not str:
+                vals.append(x)
+            elif x in fixed:
+                vals.append(fixed[x])
+            else:
+                vals.append(0)
+                holes.append((i, x))
+        return array.array("q", vals), tuple(holes)
+
+    def __call__(self, addrs: array.array, workspace: int, handle: Any) -> None:
+        """Run with every operand's address in ``addrs`` (slot order, as :meth:`template` gives) and the
+        workspace address, on the handle's stream."""
         self.fn(addrs.buffer_info()[0], self.n, workspace, handle.backend_handle, self.index)
 
 
