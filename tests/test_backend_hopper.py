@@ -49,7 +49,7 @@ def test_config_knobs_are_validated():
         (dict(BLOCK_N=48), "BLOCK_N must be"),
         (dict(load_warps=3), "load_warps must be"),
         (dict(consumer_regs=150), "multiples of 8"),
-        (dict(consumer_regs=160, load_regs=96), "registers over budget"),
+        (dict(consumers=3, consumer_regs=160, load_regs=96), "registers over budget"),
         (dict(chunk=-1), "chunk must be >= 0"),
         (dict(dynamic=2), "dynamic must be 0 or 1"),
     ):
@@ -97,16 +97,16 @@ def test_config_picks_wide_tiles_by_shape():
     wide = dataclasses.replace(static, **hp.WIDE)
 
     def cfg(**kw):
-        base = dict(lens_q=[5, 7], lens_kv=[9, 20], hq=8, hkv=2, dqk=128, page_size=16, dtype=F16)
+        base = dict(lens_q=[5, 48], lens_kv=[9, 60], hq=8, hkv=2, dqk=128, page_size=16, dtype=F16)
         return hp.config(batch_of(make_case(1, **{**base, **kw})))
 
-    assert cfg() == static  # causal, pages of 16, max_kv = 20 < 4 * 7, max_q <= 1024
+    assert cfg() == static  # causal, pages of 16, max_kv = 60 < 4 * 48, max_q <= 1024, 192 rows
     assert cfg(causal=False) == static
     assert cfg(page_size=64) == wide and cfg(page_size=64, causal=False) == wide
     assert cfg(page_size=128, lens_q=[2048], lens_kv=[2048]) == dataclasses.replace(hp.DEFAULT, **hp.WIDE)
     # (a long prefix no longer takes WIDE: 64-token queries over 512 keys measured 9% faster without)
-    assert cfg(page_size=0, causal=False) == static and cfg(page_size=0, lens_kv=[9, 28]) == static
-    assert cfg(lens_q=[7], lens_kv=[28]) == static and cfg(lens_q=[8], lens_kv=[31]) == static
+    assert cfg(page_size=0, causal=False) == static and cfg(page_size=0, lens_kv=[9, 200]) == static
+    assert cfg(lens_q=[48], lens_kv=[192]) == static and cfg(lens_q=[48], lens_kv=[191]) == static
     assert cfg(lens_q=[2048], lens_kv=[8191]) == hp.DEFAULT and cfg(lens_q=[2048], lens_kv=[8192]) == static
     assert cfg(lens_q=[1025], lens_kv=[2048], dqk=64) == hp.DEFAULT
     # (the guards: shapes that would take WIDE by their pages but for head dim or fp8)
@@ -119,6 +119,30 @@ def test_config_picks_wide_tiles_by_shape():
         assert cfg(page_size=64) == dataclasses.replace(static, chunk=2)
     with tuning.override("hopper", wide=1):
         assert cfg(causal=False) == wide
+
+
+def test_config_takes_two_consumers_where_192_row_blocks_would_be_padding():
+    """``NARROW`` (two consumers, 128-row blocks) for D = 128 with 16-bit K/V when a sequence's
+    max_q * group rows padded to 192-row blocks are >= 1.2x those padded to 128 (64-token queries
+    at GQA 4: 384 vs 256); never for other head dims, fp8 K/V, or with a wide knob."""
+    static = dataclasses.replace(hp.DEFAULT, dynamic=0)
+    narrow = dataclasses.replace(static, **hp.NARROW)
+
+    def cfg(lq, **kw):
+        base = dict(lens_q=[3, lq], lens_kv=[9, lq + 500], hq=8, hkv=2, dqk=128, page_size=16, dtype=F16)
+        return hp.config(batch_of(make_case(1, **{**base, **kw})))
+
+    # rows = 4 * max_q: 256 -> 384 vs 256; 128 -> 192 vs 128; 448 -> 576 vs 512 (1.125); 480 -> 576 vs 512
+    assert cfg(64) == narrow and cfg(32) == narrow and cfg(16) == narrow
+    assert cfg(112) == static and cfg(120) == static and cfg(48) == static and cfg(96) == static
+    assert 5 * 384 >= 6 * 256 and 5 * 576 < 6 * 512  # (the rule's arithmetic on those rows)
+    assert cfg(64, dqk=64) == static and cfg(64, dqk=96).consumers == 3
+    assert cfg(64, kv_dtype=torch.float8_e4m3fn).consumers == 3
+    assert cfg(64, page_size=64) == dataclasses.replace(static, **hp.WIDE)
+    with tuning.override("hopper", wide=0):
+        assert cfg(64) == static
+    with tuning.override("hopper", consumers=3, consumer_regs=152):
+        assert cfg(64) == static
 
 
 def test_stages_fit_shared_memory():
@@ -308,11 +332,11 @@ _AOT = textwrap.dedent(
     """
 )
 
-SPECS = [
-    (128, 16, True, "bfloat16", 128, {}),
-    (128, 16, True, "bfloat16", 128, dict(window_left=100, logits_soft_cap=30.0, sinks=True)),
+SPECS = [  # (the cases' 7-token queries at GQA 4 take NARROW at D 128 unless the knobs say otherwise)
+    (128, 16, True, "bfloat16", 128, dict(consumers=3, consumer_regs=152)),  # (DEFAULT)
+    (128, 16, True, "bfloat16", 128, dict(window_left=100, logits_soft_cap=30.0, sinks=True)),  # (NARROW)
     (64, 0, False, "float16", 64, dict(window_left=40)),
-    (128, 0, False, "float16", 128, {}),  # (WIDE tiles)
+    (128, 0, False, "float16", 128, dict(wide=1)),  # (WIDE tiles)
     (64, 1, True, "bfloat16", 64, {}),  # (cp.async K/V)
     (192, 0, True, "bfloat16", 128, {}),  # Dqk 192 / Dvo 128: K in 128 + 64 columns
     (256, 16, True, "bfloat16", 256, {}),  # D 256: K in 128 + 128 columns, V's boxes side by side
