@@ -95,6 +95,7 @@ def test_config_picks_wide_tiles_by_shape():
     prefill (max_kv >= 4 * max_q); a knob replaces the choice."""
     static = dataclasses.replace(hp.DEFAULT, dynamic=0)
     wide = dataclasses.replace(static, **hp.WIDE)
+    counter = dataclasses.replace(hp.DEFAULT, chunk=hp.DYNAMIC_CHUNK)  # (off the work counter)
 
     def cfg(**kw):
         base = dict(lens_q=[5, 48], lens_kv=[9, 60], hq=8, hkv=2, dqk=128, page_size=16, dtype=F16)
@@ -103,12 +104,14 @@ def test_config_picks_wide_tiles_by_shape():
     assert cfg() == static  # causal, pages of 16, max_kv = 60 < 4 * 48, max_q <= 1024, 192 rows
     assert cfg(causal=False) == static
     assert cfg(page_size=64) == wide and cfg(page_size=64, causal=False) == wide
-    assert cfg(page_size=128, lens_q=[2048], lens_kv=[2048]) == dataclasses.replace(hp.DEFAULT, **hp.WIDE)
+    assert cfg(page_size=128, lens_q=[2048], lens_kv=[2048]) == dataclasses.replace(counter, **hp.WIDE)
     # (a long prefix no longer takes WIDE: 64-token queries over 512 keys measured 9% faster without)
     assert cfg(page_size=0, causal=False) == static and cfg(page_size=0, lens_kv=[9, 200]) == static
     assert cfg(lens_q=[48], lens_kv=[192]) == static and cfg(lens_q=[48], lens_kv=[191]) == static
-    assert cfg(lens_q=[2048], lens_kv=[8191]) == hp.DEFAULT and cfg(lens_q=[2048], lens_kv=[8192]) == static
-    assert cfg(lens_q=[1025], lens_kv=[2048], dqk=64) == hp.DEFAULT
+    assert cfg(lens_q=[2048], lens_kv=[8191]) == counter and cfg(lens_q=[2048], lens_kv=[8192]) == static
+    assert cfg(lens_q=[1025], lens_kv=[2048], dqk=64) == counter and static.chunk == 4
+    with tuning.override("hopper", chunk=2):
+        assert cfg(lens_q=[1025], lens_kv=[2048]).chunk == 2
     # (the guards: shapes that would take WIDE by their pages but for head dim or fp8)
     assert cfg(page_size=64, dqk=64) == static and cfg(page_size=64, dqk=192, dvo=128) == static
     fp8 = cfg(page_size=64, kv_dtype=torch.float8_e4m3fn)
