@@ -298,7 +298,8 @@ def _num_sms(device: torch.device) -> int:
 
 class HopperPlan:
     """The Hopper kernel's launch for one batch: config and constexprs fixed at plan time; each run
-    binds the call's tensors, builds their TMA descriptors and zeroes the work counter."""
+    binds the call's tensors, builds their TMA descriptors and zeroes the work counter (unless the
+    device table's launch did: ``CallTensors.zeroed``)."""
 
     name = "triton"
     workspace_bytes = 16  # the work counter (dynamic scheduling)

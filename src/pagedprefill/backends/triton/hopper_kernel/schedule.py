@@ -25,7 +25,7 @@ class Schedule:
     num_m_blocks: gl.tensor
     chunk: gl.tensor  # pairs whose row blocks are dealt together
     total: gl.tensor  # work items
-    counter: gl.tensor  # dynamic: the call's work counter (zeroed before the launch)
+    counter: gl.tensor  # dynamic: the call's work counter (zeroed before the launch, on the stream)
     dynamic: gl.tensor
     item_ids: gl.shared_memory_descriptor  # dynamic: item ids the load warps hand the consumers
     item_full: gl.shared_memory_descriptor
