@@ -113,8 +113,8 @@ def breakdown(name: str, p, lb) -> None:
     if getattr(lp, "bounds", None) is not None and p.vectors is not None:  # the device table alone
         from pagedprefill import workspace
 
-        meta = t.meta
-        rows["device table launch"] = lambda: workspace.write_device_table(lp.bounds, p.vectors, meta, lp.table_launch)
+        meta, slot = t.meta, lp.table_launch
+        rows["device table launch"] = lambda: workspace.write_device_table(lp.bounds, p.vectors, meta, slot=slot)
     if hasattr(t.scratch, "zero_"):
         rows["scratch[:4].zero_()"] = lambda: t.scratch[:4].zero_()
     bound = getattr(be, "_bound", None)

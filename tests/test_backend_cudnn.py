@@ -1536,11 +1536,13 @@ def test_raw_addresses_are_the_public_operands(paged, lse, sinks, fp8):
     random.Random(3).shuffle(names)
     slots = (*names[:2], 4242, *names[2:])  # (an address the graph binds itself among them)
     raw = graph.RawExecute(None, tuple(slots), -1)
+    kept = []
     for t in (call(), call()):
         ops = plan._operands(t, views)
         want = [ops[x].data_ptr() if type(x) is str else x for x in slots]
         assert list(plan._raw_addresses(raw, t, views)) == want
-    assert views.raw[0] is raw
+        kept.append(views.raw)
+    assert kept[0] is kept[1] and kept[0][0] is raw  # (the template made once for this scratch)
     assert ("table_k" in ops) == paged and ("off_k" in ops) == (not paged)
     assert ("stats" in ops) == lse and ("sinks" in ops) == sinks and ("descale_q" in ops) == fp8
 

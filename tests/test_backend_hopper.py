@@ -42,6 +42,9 @@ def test_config_knobs_are_validated():
     with tuning.override("hopper", stages=4, consumers=2):
         cfg = hp.config(batch)
         assert (cfg.stages, cfg.consumers, cfg.BLOCK_M) == (4, 2, 128)
+    with tuning.override("hopper", consumers=3):  # (a consumer count alone: its register split)
+        cfg = hp.config(batch)
+        assert (cfg.consumers, cfg.consumer_regs) == (3, hp.CONSUMER_REGS[3]) == (3, hp.DEFAULT.consumer_regs)
     for bad, msg in (
         (dict(stagez=4), "unknown Hopper knob 'stagez'"),
         (dict(consumers=4), "consumers must be 2 or 3"),
@@ -112,6 +115,11 @@ def test_config_picks_wide_tiles_by_shape():
     assert cfg(lens_q=[1025], lens_kv=[2048], dqk=64) == counter and static.chunk == 4
     with tuning.override("hopper", chunk=2):
         assert cfg(lens_q=[1025], lens_kv=[2048]).chunk == 2
+    # (the chunk follows the final schedule, a `dynamic` knob included)
+    with tuning.override("hopper", dynamic=0):
+        assert cfg(lens_q=[1025], lens_kv=[2048]) == dataclasses.replace(hp.DEFAULT, dynamic=0)
+    with tuning.override("hopper", dynamic=1):
+        assert cfg().chunk == hp.DYNAMIC_CHUNK and cfg().dynamic == 1
     # (the guards: shapes that would take WIDE by their pages but for head dim or fp8)
     assert cfg(page_size=64, dqk=64) == static and cfg(page_size=64, dqk=192, dvo=128) == static
     fp8 = cfg(page_size=64, kv_dtype=torch.float8_e4m3fn)
@@ -136,15 +144,15 @@ def test_config_takes_two_consumers_where_192_row_blocks_would_be_padding():
         return hp.config(batch_of(make_case(1, **{**base, **kw})))
 
     # rows = 4 * max_q: 256 -> 384 vs 256; 128 -> 192 vs 128; 448 -> 576 vs 512 (1.125); 480 -> 576 vs 512
-    assert cfg(64) == narrow and cfg(32) == narrow and cfg(16) == narrow
+    assert cfg(64) == narrow and cfg(32) == narrow and cfg(16) == narrow and cfg(64, page_size=0) == narrow
     assert cfg(112) == static and cfg(120) == static and cfg(48) == static and cfg(96) == static
-    assert 5 * 384 >= 6 * 256 and 5 * 576 < 6 * 512  # (the rule's arithmetic on those rows)
     assert cfg(64, dqk=64) == static and cfg(64, dqk=96).consumers == 3
     assert cfg(64, kv_dtype=torch.float8_e4m3fn).consumers == 3
+    assert cfg(64, page_size=8) == static  # (pages under 16 tokens: the cp.async gather, not measured)
     assert cfg(64, page_size=64) == dataclasses.replace(static, **hp.WIDE)
     with tuning.override("hopper", wide=0):
         assert cfg(64) == static
-    with tuning.override("hopper", consumers=3, consumer_regs=152):
+    with tuning.override("hopper", consumers=3):
         assert cfg(64) == static
 
 
@@ -340,6 +348,7 @@ SPECS = [  # (the cases' 7-token queries at GQA 4 take NARROW at D 128 unless th
     (128, 16, True, "bfloat16", 128, dict(window_left=100, logits_soft_cap=30.0, sinks=True)),  # (NARROW)
     (64, 0, False, "float16", 64, dict(window_left=40)),
     (128, 0, False, "float16", 128, dict(wide=1)),  # (WIDE tiles)
+    (128, 0, True, "float16", 128, {}),  # (NARROW on ragged K/V)
     (64, 1, True, "bfloat16", 64, {}),  # (cp.async K/V)
     (192, 0, True, "bfloat16", 128, {}),  # Dqk 192 / Dvo 128: K in 128 + 64 columns
     (256, 16, True, "bfloat16", 256, {}),  # D 256: K in 128 + 128 columns, V's boxes side by side

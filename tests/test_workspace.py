@@ -84,9 +84,12 @@ def test_device_metadata_kernel_matches_its_torch_definition(seed):
 def test_device_table_refuses_a_short_zero_region():
     bounds = metadata.Bounds(8, 8, 8, 8, 8, 8, 0, 0, 0, 0, 0, 0, 1, 1, dict(q=1, o=1, k=1, v=1, stats=1))
     lens = torch.ones(2, dtype=torch.int32)
-    with pytest.raises(ValueError, match="^zero: expected >= 16 uint8 bytes, got 8"):
+    for table in (metadata.device_table_triton, metadata.device_table_torch):
         meta = torch.zeros((8, 2), dtype=torch.int32)
-        metadata.device_table_triton(bounds, lens, lens, {}, None, None, meta, torch.zeros(8, dtype=torch.uint8))
+        with pytest.raises(ValueError, match="^zero: expected >= 16 uint8 bytes, got 8 of torch.uint8"):
+            table(bounds, lens, lens, {}, None, None, meta, torch.zeros(8, dtype=torch.uint8))
+        with pytest.raises(ValueError, match="^zero: expected >= 16 uint8 bytes, got 16 of torch.int32"):
+            table(bounds, lens, lens, {}, None, None, meta, torch.zeros(16, dtype=torch.int32))
 
 
 def test_meta_bytes_are_aligned():

@@ -44,12 +44,18 @@ class Bounds:
     units: dict  # name -> elements per token (1 for token offsets)
 
 
+def _check_zero(zero: Tensor) -> None:
+    if zero.dtype != torch.uint8 or zero.numel() < ZERO_BYTES:
+        raise ValueError(f"zero: expected >= {ZERO_BYTES} uint8 bytes, got {zero.numel()} of {zero.dtype}")
+
+
 def device_table_torch(
     bounds: Bounds, lens_q, lens_kv, offsets, indptr, last, meta: Tensor, zero: Tensor | None = None
 ) -> None:
     """Fill ``meta`` (8, B) int32 from device vectors with torch ops (the definition); ``zero``: a
     uint8 tensor whose first :data:`ZERO_BYTES` bytes a backend needs zeroed (a work counter)."""
     if zero is not None:
+        _check_zero(zero)
         zero[:ZERO_BYTES].zero_()
     bd = bounds
     dev = meta.device
@@ -297,8 +303,8 @@ def device_table_triton(
     layout): the launch bound to them after the first call."""
     bd = bounds
     n = meta.shape[1]
-    if zero is not None and (zero.dtype != torch.uint8 or zero.numel() < ZERO_BYTES):
-        raise ValueError(f"zero: expected >= {ZERO_BYTES} uint8 bytes, got {zero.numel()} of {zero.dtype}")
+    if zero is not None:
+        _check_zero(zero)
     if n == 0:
         if zero is not None:
             zero[:ZERO_BYTES].zero_()

@@ -64,9 +64,11 @@ WIDE = {"consumers": 2, "BLOCK_N": 128, "consumer_regs": 224, "load_regs": 56}
 # the key loop; at 240 with two load warps the first consumer gets 200 and spills, load warps are
 # padded to a warpgroup); beside Q (64 KiB), five 32-key stages (1.8x the speed of two 64-key ones)
 D256 = {"consumers": 2, "BLOCK_N": 32, "stages": 5, "consumer_regs": 224, "load_warps": 4, "load_regs": 56}
-# two consumers of 64 rows where a row block of 192 would be mostly padding (short queries): see
-# `prefers_narrow`
+# two consumers of 64 rows where a row block of 192 would pad a short query's rows by >= 1.2x more
+# than one of 128: see `prefers_narrow`
 NARROW = {"consumers": 2, "consumer_regs": 224}
+# a `consumers` knob without `consumer_regs` takes this many registers per consumer thread
+CONSUMER_REGS = {2: 224, 3: 152}
 KNOBS = tuple(f.name for f in fields(Config)) + ("wide",)
 HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))  # (Dqk, Dvo) the kernel is built for
 
@@ -112,11 +114,13 @@ def prefers_wide(batch: PrefillBatch) -> bool:
 
 
 def prefers_narrow(batch: PrefillBatch) -> bool:
-    """Whether ``NARROW`` beat ``DEFAULT`` on the H200 for calls like this one: D = 128, 16-bit K/V,
-    and a sequence's ``max_q * group`` rows padded to 192-row blocks take >= 1.2x the rows they take
-    in 128-row blocks (64-token queries at GQA 4: 384 against 256 rows, +7%). Where padding is
-    even, two consumers lose 6% (fewer rows share each K/V tile)."""
+    """Whether ``NARROW`` beat ``DEFAULT`` on the H200 for calls like this one: D = 128, 16-bit K/V
+    (ragged or in pages of >= 16 tokens), and a sequence's ``max_q * group`` rows padded to 192-row
+    blocks take >= 1.2x the rows they take in 128-row blocks (64-token queries at GQA 4: 384 against
+    256 rows, +7%). Where padding is even, two consumers lose 6% (fewer rows share each K/V tile)."""
     if (batch.head_dim_qk, batch.head_dim_vo) != (128, 128) or batch.fp8_kv:
+        return False
+    if batch.paged and batch.page_size < 16:  # (the cp.async gather: not measured there)
         return False
     rows = batch.work_q * batch.group_size
     return 5 * (-(-rows // 192) * 192) >= 6 * (-(-rows // 128) * 128)
@@ -124,10 +128,11 @@ def prefers_narrow(batch: PrefillBatch) -> bool:
 
 def config(batch: PrefillBatch) -> Config:
     """``DEFAULT``, with ``WIDE`` where :func:`prefers_wide` says so (``NARROW`` where
-    :func:`prefers_narrow` does), and static rounds
-    (``dynamic=0``) for short prompts (``max_q <= 1024``) and chunked prefill (``max_kv >= 4 max_q``),
-    chunks of ``DYNAMIC_CHUNK`` pairs off the work counter otherwise; then any tuning override
-    (``tuning.override("hopper", stages=4, wide=1, ...)``)."""
+    :func:`prefers_narrow` does, unless a ``wide`` knob is set), and static rounds (``dynamic=0``) for
+    short prompts (``max_q <= 1024``) and chunked prefill (``max_kv >= 4 max_q``); then any tuning
+    override (``tuning.override("hopper", stages=4, wide=1, ...)``; a ``consumers`` knob alone takes
+    ``CONSUMER_REGS`` registers); last, chunks of ``DYNAMIC_CHUNK`` pairs off the work counter unless
+    a ``chunk`` knob is set."""
     over = dict(tuning.knobs("hopper"))
     bad = [k for k in over if k not in KNOBS]
     if bad:
@@ -141,9 +146,11 @@ def config(batch: PrefillBatch) -> Config:
             base = replace(DEFAULT, **NARROW)
     if batch.work_q <= 1024 or batch.work_kv >= 4 * batch.work_q:
         base = replace(base, dynamic=0)
-    elif base.dynamic:
-        base = replace(base, chunk=DYNAMIC_CHUNK)
+    if "consumers" in over and "consumer_regs" not in over and over["consumers"] in CONSUMER_REGS:
+        over["consumer_regs"] = CONSUMER_REGS[over["consumers"]]
     cfg = replace(base, **over)
+    if cfg.dynamic and "chunk" not in over:
+        cfg = replace(cfg, chunk=DYNAMIC_CHUNK)
     why = None
     if cfg.consumers not in (2, 3):
         why = f"consumers must be 2 or 3, got {cfg.consumers}"
