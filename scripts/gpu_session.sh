@@ -92,3 +92,11 @@ for s in $steps; do
   esac
 done
 echo "=== done $(date -u +%T)"
+# the essentials last, where a truncated output keeps them
+echo "=== summary"
+[ -f "$OUT/$TAG-tests.log" ] && echo "tests: $(tail -1 "$OUT/$TAG-tests.log")"
+[ -f "$OUT/$TAG-memcheck.log" ] && echo "memcheck: $(grep "ERROR SUMMARY" "$OUT/$TAG-memcheck.log" | tail -1)"
+for k in eager graph layers; do
+  [ -f "$OUT/$TAG-$k.md" ] && grep "^| geomean" "$OUT/$TAG-$k.md" | sed "s/^/$k: /"
+done
+true
