@@ -10,6 +10,7 @@ import torch
 from pagedprefill import tuning
 from pagedprefill.batch import CallTensors, PrefillBatch
 from pagedprefill.kernels.launch import INTERPRETED, bind, fast_launch
+from pagedprefill.kernels.metadata import ZERO_BYTES
 
 try:
     from triton.experimental.gluon import language as gl
@@ -67,8 +68,8 @@ D256 = {"consumers": 2, "BLOCK_N": 32, "stages": 5, "consumer_regs": 224, "load_
 # two consumers of 64 rows where a row block of 192 would pad a short query's rows by >= 1.2x more
 # than one of 128: see `prefers_narrow`
 NARROW = {"consumers": 2, "consumer_regs": 224}
-# a `consumers` knob without `consumer_regs` takes this many registers per consumer thread
-CONSUMER_REGS = {2: 224, 3: 152}
+# a `consumers` knob without `consumer_regs` takes the register split of the config with that many
+CONSUMER_REGS = {DEFAULT.consumers: DEFAULT.consumer_regs, NARROW["consumers"]: NARROW["consumer_regs"]}
 KNOBS = tuple(f.name for f in fields(Config)) + ("wide",)
 HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))  # (Dqk, Dvo) the kernel is built for
 
@@ -309,7 +310,7 @@ class HopperPlan:
     device table's launch did: ``CallTensors.zeroed``)."""
 
     name = "triton"
-    workspace_bytes = 16  # the work counter (dynamic scheduling)
+    workspace_bytes = ZERO_BYTES  # the work counter (dynamic scheduling), in what a device table zeroes
 
     def __init__(self, batch: PrefillBatch):
         self.batch = batch
