@@ -60,6 +60,19 @@ def main() -> int:
             None,
         ),
         ("hopper fp8kv d256 ragged", dict(dqk=256, page_size=0, dtype=BF16, kv_dtype=E4M3), "triton", None),
+        (
+            "hopper fp8 qkv paged16 tma",
+            dict(dqk=128, page_size=16, dtype=E4M3, kv_dtype=E4M3),
+            "triton",
+            dict(num_splits=1),
+        ),
+        (
+            "hopper fp8 qkv d64 page1 gqa3",
+            dict(dqk=64, page_size=1, dtype=E4M3, hq=6, hkv=2),
+            "triton",
+            dict(num_splits=1),
+        ),
+        ("hopper fp8 qkv ragged", dict(dqk=128, page_size=0, dtype=E4M3, kv_dtype=E4M3), "triton", dict(num_splits=1)),
         ("fa2 d96 fp8kv", dict(dqk=96, page_size=16, dtype=BF16, kv_dtype=E4M3), "triton", dict(hopper=0)),
         ("fa2 d256 fp8", dict(dqk=256, page_size=0, dtype=E4M3, kv_dtype=E4M3), "triton", None),
         (

@@ -72,6 +72,7 @@ NARROW = {"consumers": 2, "consumer_regs": 224}
 CONSUMER_REGS = {DEFAULT.consumers: DEFAULT.consumer_regs, NARROW["consumers"]: NARROW["consumer_regs"]}
 KNOBS = tuple(f.name for f in fields(Config)) + ("wide",)
 HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))  # (Dqk, Dvo) the kernel is built for
+F8_HEAD_DIMS = ((64, 64), (128, 128))  # ... with 8-bit q, K and V on 8-bit wgmmas
 
 
 def first_part(d: int) -> int:
@@ -85,13 +86,21 @@ def unavailable_reason(batch: PrefillBatch) -> str | None:
     if hk is None:
         return f"Gluon is not importable: {IMPORT_ERROR}"
     dt = batch.q.dtype
-    kv_ok = batch.k.dtype == dt or batch.fp8_kv  # (8-bit K/V are widened to q's dtype in the kernel)
-    if dt not in (torch.float16, torch.bfloat16) or not kv_ok or batch.v.dtype != batch.k.dtype:
-        return "q 16-bit, and k and v in q's dtype or one fp8 dtype"
-    if (batch.head_dim_qk, batch.head_dim_vo) not in HEAD_DIMS:
-        return "head dims other than Dqk = Dvo in {64, 96, 128, 256} and Dqk 192 / Dvo 128"
-    if not batch.scale > 0 or batch.q_scaled:
-        return "a q_scale tensor or a non-positive scale"
+    if batch.fp8_q:  # (8-bit wgmmas)
+        if not dt == batch.k.dtype == batch.v.dtype == torch.float8_e4m3fn:
+            return "fp8 q with q, k and v all float8_e4m3fn"
+        if (batch.head_dim_qk, batch.head_dim_vo) not in F8_HEAD_DIMS:
+            return "fp8 q with head dims other than Dqk = Dvo in {64, 128}"
+    else:
+        kv_ok = batch.k.dtype == dt or batch.fp8_kv  # (8-bit K/V are widened to q's dtype in the kernel)
+        if dt not in (torch.float16, torch.bfloat16) or not kv_ok or batch.v.dtype != batch.k.dtype:
+            return "q 16-bit, and k and v in q's dtype or one fp8 dtype (or q, k, v all float8_e4m3fn)"
+        if (batch.head_dim_qk, batch.head_dim_vo) not in HEAD_DIMS:
+            return "head dims other than Dqk = Dvo in {64, 96, 128, 256} and Dqk 192 / Dvo 128"
+        if batch.q_scaled:
+            return "a q_scale tensor with 16-bit q"
+    if not batch.scale > 0:
+        return "a non-positive scale"
     # cp.async copies 16-byte chunks, and Triton proves an integer's alignment only as "divisible by
     # 16": every q, K and V stride must be a multiple of 16 elements
     for name, lay, aligned in zip("qkv", (batch.q, batch.k, batch.v), batch.aligned):
@@ -159,6 +168,8 @@ def config(batch: PrefillBatch) -> Config:
         why = f"stages must be >= 2, got {cfg.stages}"
     elif cfg.BLOCK_N not in (16, 32, 64, 128):
         why = f"BLOCK_N must be 16, 32, 64 or 128, got {cfg.BLOCK_N}"
+    elif batch.fp8_q and cfg.BLOCK_N < 32:  # (V's keys are reordered in blocks of 32: see _transpose_v)
+        why = f"BLOCK_N must be >= 32 with fp8 q, got {cfg.BLOCK_N}"
     elif cfg.load_warps not in (2, 4, 8):
         why = f"load_warps must be 2, 4 or 8, got {cfg.load_warps}"
     elif any(r % 8 or not 24 <= r <= 256 for r in (cfg.consumer_regs, cfg.load_regs)):
@@ -266,17 +277,21 @@ def o_stage_mode(batch: PrefillBatch, q_tma: bool) -> int:
     return int(batch.out.dtype == batch.q.dtype and fits)
 
 
-def kv8_stages(batch: PrefillBatch, cfg: Config) -> int:
-    """Staging slots for 8-bit K/V (the kernel's ``KV8_STAGES``; 0: K/V in q's dtype): three (two tiles
-    in flight while one is widened) where that leaves the ring three stages, else two."""
+def staging_slots(batch: PrefillBatch, cfg: Config) -> int:
+    """Staging slots for 8-bit K/V (the kernel's ``STAGING``; 0: K/V in q's dtype), where tiles land
+    before the load warps widen them (16-bit q) or transpose V (fp8 q: V only): three (two tiles in
+    flight while one is widened) where that leaves the ring three stages, else two."""
     if not batch.fp8_kv:
         return 0
-    tile8 = cfg.BLOCK_N * (batch.head_dim_qk + batch.head_dim_vo)
-    return 3 if _ring_stages(batch, cfg, 3 * tile8) >= 3 else 2
+    return 3 if _ring_stages(batch, cfg, 3 * _staging_tile(batch, cfg)) >= 3 else 2
+
+
+def _staging_tile(batch: PrefillBatch, cfg: Config) -> int:
+    return cfg.BLOCK_N * (batch.head_dim_vo if batch.fp8_q else batch.head_dim_qk + batch.head_dim_vo)
 
 
 def _staging_bytes(batch: PrefillBatch, cfg: Config) -> int:
-    return kv8_stages(batch, cfg) * cfg.BLOCK_N * (batch.head_dim_qk + batch.head_dim_vo)
+    return staging_slots(batch, cfg) * _staging_tile(batch, cfg)
 
 
 def _ring_stages(batch: PrefillBatch, cfg: Config, staging_bytes: int) -> int:
@@ -359,7 +374,9 @@ class HopperPlan:
                 WINDOW=batch.window_left >= 0,
                 SOFTCAP=batch.logits_soft_cap > 0,
                 HAS_SINKS=batch.has_sinks,
-                KV8_STAGES=kv8_stages(batch, cfg),
+                STAGING=staging_slots(batch, cfg),
+                F8=batch.fp8_q,
+                Q_SCALED=batch.q_scaled,
                 K_SCALED=batch.k_scaled,
                 V_SCALED=batch.v_scaled,
                 num_warps=4,
@@ -379,10 +396,12 @@ class HopperPlan:
         tma_ints = (tma[0][1], tma[0][2], tma[1][1], tma[1][2]) if tma else (0, 0, 0, 0)
         q_tma = q_tma_applies(batch, q)
         q_desc = None
-        if q_tma:
-            layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+        if q_tma:  # (boxes of rows of up to 128 bytes, as the kernel's Q slots: see _issue_q)
+            esz = q.element_size()
+            cols = min(first_part(batch.head_dim_qk), 128 // esz)
+            layout = gl.NVMMASharedLayout(swizzle_byte_width=cols * esz, element_bitwidth=8 * esz, rank=3)
             g = batch.group_size
-            q_desc = TensorDescriptor(q, list(q.shape), list(q.stride()), [64 // g, g, 64], layout)
+            q_desc = TensorDescriptor(q, list(q.shape), list(q.stride()), [64 // g, g, cols], layout)
         counter = t.scratch[:4].view(torch.int32) if self.dynamic else meta
         args = (
             q,
@@ -417,6 +436,7 @@ class HopperPlan:
             batch.window_left,
             float(batch.logits_soft_cap),
             t.sinks if t.sinks is not None else meta,
+            t.q_scale if t.q_scale is not None else meta,
             t.k_scale if t.k_scale is not None else meta,
             t.v_scale if t.v_scale is not None else meta,
         )
@@ -435,6 +455,7 @@ class HopperPlan:
             t.pages if self.batch.paged else meta,
             t.scratch if self.dynamic else meta,  # (the counter's first bytes)
             t.sinks if t.sinks is not None else meta,
+            t.q_scale if t.q_scale is not None else meta,
             t.k_scale if t.k_scale is not None else meta,
             t.v_scale if t.v_scale is not None else meta,
         )

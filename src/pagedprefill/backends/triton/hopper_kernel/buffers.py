@@ -8,6 +8,13 @@ from triton.experimental.gluon import language as gl
 from triton.language.core import _aggregate as aggregate
 
 
+@gluon.constexpr_function
+def _layout(cols, bits):
+    """Shared layout of tiles of ``cols`` columns of ``bits``-bit elements: rows swizzled over their
+    bytes, at most 128 (the host's TMA descriptors use the same)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=min(cols * bits // 8, 128), element_bitwidth=bits, rank=2)
+
+
 @aggregate
 class KVRing:
     """The K/V tiles in shared memory: ``STAGES`` slots with full / empty barriers."""

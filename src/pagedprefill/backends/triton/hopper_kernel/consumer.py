@@ -36,6 +36,7 @@ class OutSink:
     qk_scale: gl.tensor  # softmax scale x log2(e)
     softcap: gl.tensor  # SOFTCAP: the cap c
     SINKS: gl.tensor  # SINKS: float32 (Hq,) sink logits
+    Q_SCALE: gl.tensor  # Q_SCALED: float32 (1,)
     K_SCALE: gl.tensor  # K_SCALED: float32 (1,)
     V_SCALE: gl.tensor  # V_SCALED: float32 (1,)
 
@@ -53,6 +54,7 @@ class OutSink:
         qk_scale,
         softcap,
         SINKS,
+        Q_SCALE,
         K_SCALE,
         V_SCALE,
     ):
@@ -67,6 +69,7 @@ class OutSink:
         self.qk_scale = qk_scale
         self.softcap = softcap
         self.SINKS = SINKS
+        self.Q_SCALE = Q_SCALE
         self.K_SCALE = K_SCALE
         self.V_SCALE = V_SCALE
 
@@ -87,13 +90,61 @@ def _q_cols_async(
     """cp.async copies of columns [C0, C0 + NCOL) of work item w's Q rows [row0 + R0, row0 + R0 +
     SUB_M) into buf; rows past the sequence zero-filled."""
     GROUP: gl.constexpr = geo.GROUP
-    LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (NCOL // 8), NCOL // 8], [4, 1], [1, 0])
+    VQ: gl.constexpr = 128 // out.Q.dtype.element_ty.primitive_bitwidth  # (16-byte chunks)
+    LD: gl.constexpr = gl.BlockedLayout([1, VQ], [32 // (NCOL // VQ), NCOL // VQ], [4, 1], [1, 0])
     rows = w.row0 + R0 + gl.arange(0, geo.SUB_M, gl.SliceLayout(1, LD))
     tok = rows // GROUP
     head = w.kv_head * GROUP + rows % GROUP
     off = (w.q_start + tok).to(gl.int64) * out.stride_qt + head.to(gl.int64) * out.stride_qh
     d = C0 + gl.arange(0, NCOL, gl.SliceLayout(0, LD))
     async_copy.async_copy_global_to_shared(buf, out.Q + off[:, None] + d[None, :], mask=(tok < w.q_len)[:, None])
+
+
+@gluon.jit
+def _p_operand(p, P_L: gl.constexpr, dtype: gl.constexpr):
+    """P (float32, the QK accumulator's layout) in the GEMMs' dtype as the PV GEMM's A operand."""
+    return gl.convert_layout(p.to(dtype), P_L)
+
+
+@gluon.jit
+def _a_operand(p_op, P_L: gl.constexpr, F8: gl.constexpr):
+    """The PV GEMM's A operand from the P carried from the last tile's softmax: in the GEMMs' dtype
+    already (16-bit), or (F8) float32 in the QK accumulator's layout, converted here to e4m3.
+
+    F8: P's key columns are reordered so that no value leaves its thread. An 8-bit A operand holds
+    keys 4t..4t+3 (and 16 on) of each 32 in lane t of a quad, where the accumulator held 2t, 2t + 1,
+    8 + 2t, 9 + 2t (and 16 on): operand key 32a + 16h + 4t + 2i + j is accumulator column 32a + 16h +
+    8i + 2t + j, and the load warps store V's keys in the same order (:func:`.loads._transpose_v`).
+    Each operand register is then two conversions of accumulator pairs. (Converted where the softmax
+    ends, P crossed the loop as 8-bit values, and each register was rebuilt from its four bytes: ~6
+    byte moves per register, a third of the loop's instructions.)"""
+    if F8:
+        M: gl.constexpr = p_op.shape[0]
+        N: gl.constexpr = p_op.shape[1]
+        p = gl.reshape(gl.permute(gl.reshape(p_op, [M, N // 32, 2, 2, 4, 2]), (0, 1, 2, 4, 3, 5)), [M, N])
+        p = gl.convert_layout(p, P_L, assert_trivial=True)  # (float32: registers renamed only)
+        a = gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+            "mov.b32 $0, {lo, hi}; }",
+            "=r,f,f,f,f",
+            [p],
+            dtype=gl.float8e4nv,
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        a = p_op
+    return a
+
+
+@gluon.jit
+def _v_operand(v_buf, F8: gl.constexpr):
+    """A V tile as the PV GEMM's B operand ([keys, Dvo]): F8 stores it transposed."""
+    if F8:
+        v_op = v_buf.permute((1, 0))
+    else:
+        v_op = v_buf
+    return v_op
 
 
 @gluon.constexpr_function
@@ -156,6 +207,14 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
             sign = gl.where(k_scale < 0, -1.0, 1.0)
             k_scale = gl.abs(k_scale)
         qk_scale = qk_scale * k_scale
+    if geo.Q_SCALED:
+        qk_scale = qk_scale * gl.load(out.Q_SCALE)
+    # F8: the softmax's unmasked path takes max(s) * scale for max(s * scale): only for scales > 0
+    # (every tile of another call takes the masked path, which scales first)
+    if geo.F8:
+        fast_ok = qk_scale > 0
+    else:
+        fast_ok = True
     if geo.SOFTCAP:  # s = cap * tanh(scale * q.k / cap), in log2 units: cap_out * tanh(q.k * qk_scale / cap_out)
         cap_out = out.softcap * 1.4426950408889634
         qk_scale = qk_scale / cap_out
@@ -164,12 +223,14 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
     # Q_TMA: the slot goes back to the load warps after this warpgroup's last QK GEMM of an item, or,
     # when O is staged through it, after O is read back from it
     Q_EARLY: gl.constexpr = geo.Q_TMA and geo.O_STAGE != 1
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV0, 16])
-    P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    KI: gl.constexpr = 256 // dtype.primitive_bitwidth  # (a wgmma's K: 32 bytes)
+    KW: gl.constexpr = 32 // dtype.primitive_bitwidth  # (A-operand elements per register)
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, KI])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV0, KI])
+    P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=KW)
     if DV1 > 0:  # (O in two accumulators, DV0 + DV1 columns, one PV GEMM each)
-        O1_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV1, 16])
-        P1_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O1_L, k_width=2)
+        O1_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV1, KI])
+        P1_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O1_L, k_width=KW)
     q_sub = slots.q.index(R0 // SUB_M)
     if DQ1 > 0:
         q1_sub = slots.q1.index(R0 // SUB_M)
@@ -218,7 +279,10 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
         l_i = _quad_sums(gl.zeros([SUB_M, BLOCK_N], gl.float32, S_L))  # (per thread: see _quad_sums)
         acc = gl.zeros([SUB_M, DV0], gl.float32, O_L)
         s_zero = gl.zeros([SUB_M, BLOCK_N], gl.float32, S_L)
-        p_op = gl.zeros([SUB_M, BLOCK_N], dtype, P_L)
+        if geo.F8:  # (P crosses the loop in float32: see _a_operand)
+            p_op = gl.zeros([SUB_M, BLOCK_N], gl.float32, S_L)
+        else:
+            p_op = gl.zeros([SUB_M, BLOCK_N], dtype, P_L)
         if DV1 > 0:
             acc1 = gl.zeros([SUB_M, DV1], gl.float32, O1_L)
             p_op1 = gl.zeros([SUB_M, BLOCK_N], dtype, P1_L)
@@ -256,7 +320,7 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
             if Q_EARLY:
                 if n_walk == t_own + 1:
                     mbarrier.arrive(slots.empty)
-            unmasked = t_own * BLOCK_N < full_own
+            unmasked = (t_own * BLOCK_N < full_own) & fast_ok
             if geo.WINDOW:
                 unmasked = unmasked & (t_own * BLOCK_N >= head_own)
             if unmasked:
@@ -267,10 +331,12 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
                 p, m_i, l_i, alpha0 = _softmax(
                     sc, m_i, l_i, qk_e, qk_r, t_own * BLOCK_N, diag, w.kv_len, sched.window, cap_out, True, geo
                 )
-            p16 = p.to(dtype)
-            p_op = gl.convert_layout(p16, P_L)
+            if geo.F8:
+                p_op = p
+            else:
+                p_op = _p_operand(p, P_L, dtype)
             if DV1 > 0:
-                p_op1 = gl.convert_layout(p16, P1_L)
+                p_op1 = _p_operand(p, P1_L, dtype)
         for t in range(t_own + 1, n_walk):
             s = (c + t - t_lo) % STAGES
             prev = (c + t - t_lo - 1) % STAGES
@@ -284,7 +350,9 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
                 acc = _rescale(acc, alpha)
                 if DV1 > 0:
                     acc1 = _rescale(acc1, alpha1)
-            o_tok = warpgroup_mma(p_op, ring.v.index(prev), acc, is_async=True)
+            o_tok = warpgroup_mma(
+                _a_operand(p_op, P_L, geo.F8), _v_operand(ring.v.index(prev), geo.F8), acc, is_async=True
+            )
             if DV1 > 0:
                 o1_tok = warpgroup_mma(p_op1, ring.v1.index(prev), acc1, is_async=True)
                 sc = warpgroup_mma_wait(2, deps=[s_tok])  # (the QK GEMMs: issued before both PV GEMMs)
@@ -293,7 +361,7 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
             if Q_EARLY:
                 if t == n_walk - 1:
                     mbarrier.arrive(slots.empty)
-            unmasked = t * BLOCK_N < full_own
+            unmasked = (t * BLOCK_N < full_own) & fast_ok
             if geo.WINDOW:
                 unmasked = unmasked & (t * BLOCK_N >= head_own)
             if unmasked:
@@ -312,17 +380,21 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
             else:
                 acc = warpgroup_mma_wait(0, deps=[o_tok])
             mbarrier.arrive(ring.empty.index(prev))
-            p16 = p.to(dtype)
-            p_op = gl.convert_layout(p16, P_L)
+            if geo.F8:
+                p_op = p
+            else:
+                p_op = _p_operand(p, P_L, dtype)
             if DV1 > 0:
-                p_op1 = gl.convert_layout(p16, P1_L)
+                p_op1 = _p_operand(p, P1_L, dtype)
         if n_walk > t_own:
             last = (c + n_walk - 1 - t_lo) % STAGES
             if n_walk > t_own + 1:
                 acc = _rescale(acc, alpha)
                 if DV1 > 0:
                     acc1 = _rescale(acc1, alpha1)
-            o_tok = warpgroup_mma(p_op, ring.v.index(last), acc, is_async=True)
+            o_tok = warpgroup_mma(
+                _a_operand(p_op, P_L, geo.F8), _v_operand(ring.v.index(last), geo.F8), acc, is_async=True
+            )
             if DV1 > 0:
                 o1_tok = warpgroup_mma(p_op1, ring.v1.index(last), acc1, is_async=True)
                 acc, acc1 = warpgroup_mma_wait(0, deps=[o_tok, o1_tok])

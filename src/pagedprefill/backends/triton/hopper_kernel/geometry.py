@@ -37,8 +37,11 @@ class Geometry:
     SOFTCAP: gl.constexpr  # logits c * tanh(s / c)
     SINKS: gl.constexpr  # a per-head sink logit in every row's denominator
     KV8: gl.constexpr  # 8-bit K/V: tiles arrive in a staging ring and the load warps widen them
+    F8: gl.constexpr  # 8-bit q, K and V on 8-bit wgmmas: V arrives in the staging ring and the load
+    # warps transpose it into the K/V ring (the PV GEMM's B operand must be K-major)
     S8: gl.constexpr  # KV8: staging slots (tiles in flight ahead of the one being widened, plus it)
     VEC: gl.constexpr  # K/V elements per 16-byte cp.async chunk
+    Q_SCALED: gl.constexpr  # F8: a device q_scale multiplies the logits too
     K_SCALED: gl.constexpr  # a device k_scale multiplies the logits (its sign is read on the device)
     V_SCALED: gl.constexpr  # a device v_scale multiplies O
 
@@ -65,7 +68,9 @@ class Geometry:
         SOFTCAP,
         SINKS,
         KV8,
+        F8,
         S8,
+        Q_SCALED,
         K_SCALED,
         V_SCALED,
     ):
@@ -95,8 +100,10 @@ class Geometry:
         self.SOFTCAP = gl.constexpr(SOFTCAP)
         self.SINKS = gl.constexpr(SINKS)
         self.KV8 = gl.constexpr(KV8)
+        self.F8 = gl.constexpr(F8)
         self.S8 = gl.constexpr(S8)
-        self.VEC = gl.constexpr(16 if KV8 else 8)
+        self.VEC = gl.constexpr(16 if (KV8 or F8) else 8)
+        self.Q_SCALED = gl.constexpr(Q_SCALED)
         self.K_SCALED = gl.constexpr(K_SCALED)
         self.V_SCALED = gl.constexpr(V_SCALED)
 

@@ -6,16 +6,16 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from .buffers import KVRing, QSlots, Staging
+from .buffers import KVRing, QSlots, Staging, _layout
 from .consumer import OutSink, _consumer_partition
 from .geometry import Geometry
-from .loads import KVSource, _layout8, _load_partition
+from .loads import KVSource, _load_partition
 from .schedule import ITEM_RING, Schedule
 
 
 @gluon.jit(
     do_not_specialize=["meta_stride", "batch_size", "num_m_blocks", "num_pages", "chunk_pairs", "dynamic", "window"],
-    do_not_specialize_on_alignment=["BT", "LSE", "COUNTER", "SINKS", "K_SCALE", "V_SCALE"],
+    do_not_specialize_on_alignment=["BT", "LSE", "COUNTER", "SINKS", "Q_SCALE", "K_SCALE", "V_SCALE"],
 )
 def attention_kernel(
     Q,
@@ -57,6 +57,7 @@ def attention_kernel(
     window,
     softcap,
     SINKS,
+    Q_SCALE,
     K_SCALE,
     V_SCALE,
     GROUP: gl.constexpr,
@@ -80,7 +81,9 @@ def attention_kernel(
     WINDOW: gl.constexpr,
     SOFTCAP: gl.constexpr,
     HAS_SINKS: gl.constexpr,
-    KV8_STAGES: gl.constexpr,
+    STAGING: gl.constexpr,
+    F8: gl.constexpr,
+    Q_SCALED: gl.constexpr,
     K_SCALED: gl.constexpr,
     V_SCALED: gl.constexpr,
     num_warps: gl.constexpr,
@@ -108,26 +111,28 @@ def attention_kernel(
         WINDOW,
         SOFTCAP,
         HAS_SINKS,
-        KV8_STAGES > 0,
-        KV8_STAGES,
+        STAGING > 0 and not F8,
+        F8,
+        STAGING,
+        Q_SCALED,
         K_SCALED,
         V_SCALED,
     )
     dtype: gl.constexpr = Q.dtype.element_ty
-    SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    # (32-column parts: 64-byte rows, 64-byte swizzle; the host's TMA descriptors use the same)
-    SMEM1: gl.constexpr = gl.NVMMASharedLayout(
-        swizzle_byte_width=64 if geo.DQ1 == 32 else 128, element_bitwidth=16, rank=2
-    )
-    SMEMV1: gl.constexpr = gl.NVMMASharedLayout(
-        swizzle_byte_width=64 if geo.DV1 == 32 else 128, element_bitwidth=16, rank=2
-    )
+    # (rows swizzled over their bytes, at most 128: 16-bit 32-column parts and 8-bit 64-column tiles
+    # take 64; the host's TMA descriptors use the same)
+    SMEM: gl.constexpr = _layout(geo.DQ0, dtype.primitive_bitwidth)
+    SMEM1: gl.constexpr = _layout(geo.DQ1, dtype.primitive_bitwidth)
+    SMEMV1: gl.constexpr = _layout(geo.DV1, dtype.primitive_bitwidth)
 
     # the GEMMs' inputs: q's dtype; with 8-bit K/V float16 (see _prep_q)
     cdt: gl.constexpr = gl.float16 if geo.KV8 else dtype
     q_smem = gl.allocate_shared_memory(dtype, [NC, geo.SUB_M, geo.DQ0], SMEM)
     k_smem = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, geo.DQ0], SMEM)
-    v_smem = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, geo.DV0], SMEM)
+    if F8:  # V transposed (keys contiguous): 8-bit wgmmas take K-major B operands only
+        v_smem = gl.allocate_shared_memory(cdt, [STAGES, geo.DV0, BLOCK_N], _layout(BLOCK_N, 8))
+    else:
+        v_smem = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, geo.DV0], SMEM)
     if geo.DQ1 > 0:
         q1_smem = gl.allocate_shared_memory(dtype, [NC, geo.SUB_M, geo.DQ1], SMEM1)
         k1_smem = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, geo.DQ1], SMEM1)
@@ -141,31 +146,36 @@ def attention_kernel(
     kv_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(kv_full.index(i), count=1 if (USE_TMA or geo.KV8) else LOAD_WARPS * 32)
+        # (F8: K's copies, as for 16-bit K/V, and one more arrive once V is transposed)
+        mbarrier.init(kv_full.index(i), count=(1 if (USE_TMA or geo.KV8) else LOAD_WARPS * 32) + (1 if F8 else 0))
         mbarrier.init(kv_empty.index(i), count=NC)
-    if geo.KV8:  # (8-bit tiles in the copies' own layouts: rows of 32, 64 or >= 128 bytes)
+    if STAGING > 0:  # (8-bit tiles in the copies' own layouts: rows of 32, 64 or >= 128 bytes; F8: V only)
         kv_dt: gl.constexpr = K.dtype.element_ty
-        st_k = gl.allocate_shared_memory(kv_dt, [KV8_STAGES, BLOCK_N, geo.DQ0], _layout8(geo.DQ0))
-        st_v = gl.allocate_shared_memory(kv_dt, [KV8_STAGES, BLOCK_N, geo.DV0], _layout8(geo.DV0))
-        if geo.DQ1 > 0:
-            st_k1 = gl.allocate_shared_memory(kv_dt, [KV8_STAGES, BLOCK_N, geo.DQ1], _layout8(geo.DQ1))
+        st_v = gl.allocate_shared_memory(kv_dt, [STAGING, BLOCK_N, geo.DV0], _layout(geo.DV0, 8))
+        if F8:  # (unused)
+            st_k = st_v
+        else:
+            st_k = gl.allocate_shared_memory(kv_dt, [STAGING, BLOCK_N, geo.DQ0], _layout(geo.DQ0, 8))
+        if geo.DQ1 > 0 and not F8:
+            st_k1 = gl.allocate_shared_memory(kv_dt, [STAGING, BLOCK_N, geo.DQ1], _layout(geo.DQ1, 8))
         else:
             st_k1 = st_k
         if geo.DV1 > 0:
-            st_v1 = gl.allocate_shared_memory(kv_dt, [KV8_STAGES, BLOCK_N, geo.DV1], _layout8(geo.DV1))
+            st_v1 = gl.allocate_shared_memory(kv_dt, [STAGING, BLOCK_N, geo.DV1], _layout(geo.DV1, 8))
         else:
             st_v1 = st_v
-        st_full = gl.allocate_shared_memory(gl.int64, [KV8_STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(KV8_STAGES):
+        st_full = gl.allocate_shared_memory(gl.int64, [STAGING, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGING):
             mbarrier.init(st_full.index(i), count=1 if USE_TMA else LOAD_WARPS * 32)
-        # (a 1-D buffer of a power of two elements, sliced per consumer)
-        q_f = gl.allocate_shared_memory(gl.float32, [4 * geo.SUB_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     else:  # (unused)
         st_k = k_smem
         st_k1 = k_smem
         st_v = v_smem
         st_v1 = v_smem
         st_full = kv_full
+    if geo.KV8:  # (a 1-D buffer of a power of two elements, sliced per consumer)
+        q_f = gl.allocate_shared_memory(gl.float32, [4 * geo.SUB_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    else:  # (unused)
         q_f = kv_full
     # dynamic != 0: items come off the work counter; the load warps hand them to the consumers
     # through a ring of item ids (ITEM_RING slots, with full and empty barriers)
@@ -236,6 +246,7 @@ def attention_kernel(
         gl.to_tensor(sm_scale_log2),
         gl.to_tensor(softcap),
         SINKS,
+        Q_SCALE,
         K_SCALE,
         V_SCALE,
     )

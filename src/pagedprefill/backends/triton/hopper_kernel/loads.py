@@ -83,23 +83,27 @@ class KVSource:
         return k_off, v_off, ok
 
     @gluon.jit
-    def gather(self, k_buf, k1_buf, v_buf, v1_buf, w: WorkItem, t, geo: Geometry):
-        """cp.async copies of key tile t's K rows (columns [0, DQ0) into k_buf, [DQ0, DQ0 + DQ1) into
-        k1_buf) and V rows (likewise into v_buf and v1_buf); rows at or past ``hi`` zero-filled."""
+    def gather(self, k_buf, k1_buf, v_buf, v1_buf, w: WorkItem, t, geo: Geometry, K: gl.constexpr, V: gl.constexpr):
+        """cp.async copies of key tile t's K rows (K: columns [0, DQ0) into k_buf, [DQ0, DQ0 + DQ1)
+        into k1_buf) and V rows (V: likewise into v_buf and v1_buf); rows at or past ``hi``
+        zero-filled."""
         LD: gl.constexpr = _chunk_layout(geo.DQ0, geo.VEC, geo.LOAD_WARPS)
         k_off, v_off, ok = self.rows(w, t, geo, LD)
-        _copy_cols(self.K, k_buf, k_off, ok, 0, geo.DQ0, LD)
-        if geo.DQ1 > 0:
-            LD1: gl.constexpr = _chunk_layout(geo.DQ1, geo.VEC, geo.LOAD_WARPS)
-            k1_off, _, ok1 = self.rows(w, t, geo, LD1)
-            _copy_cols(self.K, k1_buf, k1_off, ok1, geo.DQ0, geo.DQ1, LD1)
-        if geo.DV0 == geo.DQ0:  # (the same rows: their offsets once)
+        if K:
+            _copy_cols(self.K, k_buf, k_off, ok, 0, geo.DQ0, LD)
+            if geo.DQ1 > 0:
+                LD1: gl.constexpr = _chunk_layout(geo.DQ1, geo.VEC, geo.LOAD_WARPS)
+                k1_off, _, ok1 = self.rows(w, t, geo, LD1)
+                _copy_cols(self.K, k1_buf, k1_off, ok1, geo.DQ0, geo.DQ1, LD1)
+        if not V:
+            pass
+        elif geo.DV0 == geo.DQ0:  # (the same rows: their offsets once)
             _copy_cols(self.V, v_buf, v_off, ok, 0, geo.DV0, LD)
         else:
             LDV: gl.constexpr = _chunk_layout(geo.DV0, geo.VEC, geo.LOAD_WARPS)
             _, vv_off, okv = self.rows(w, t, geo, LDV)
             _copy_cols(self.V, v_buf, vv_off, okv, 0, geo.DV0, LDV)
-        if geo.DV1 > 0:
+        if geo.DV1 > 0 and V:
             LDV1: gl.constexpr = _chunk_layout(geo.DV1, geo.VEC, geo.LOAD_WARPS)
             _, v1_off, okv1 = self.rows(w, t, geo, LDV1)
             _copy_cols(self.V, v1_buf, v1_off, okv1, geo.DV0, geo.DV1, LDV1)
@@ -131,36 +135,52 @@ def _tma_coords(row, kv_head, head_off, HEAD_ROWS: gl.constexpr):
 @gluon.jit
 def _issue_q(q_desc, slots: QSlots, w: WorkItem, r, geo: Geometry):
     """Load warps (Q_TMA): round r's Q rows, NC slots of 64 rows (64 / GROUP tokens x GROUP heads),
-    as bulk-tensor copies of [64 / GROUP, GROUP, 64] boxes of the 3-D view [tokens, heads, Dqk] of
+    as bulk-tensor copies of [64 / GROUP, GROUP, QB] boxes of the 3-D view [tokens, heads, Dqk] of
     q, once every consumer is past round r-1's last QK GEMM (``empty``); they complete on
-    ``full``. A box is the 64-column tile of a slot (128-byte rows, the same swizzled bytes as a 2-D
-    box). Rows past the sequence read other tokens or zeros (past q's end); their results are never
+    ``full``. A box is a QB-column tile of a slot (rows of up to 128 bytes, the same swizzled bytes
+    as a 2-D box). Rows past the sequence read other tokens or zeros (past q's end); their results are never
     stored. An item without key tiles is signalled without copies (no consumer reads its Q)."""
     DQ0: gl.constexpr = geo.DQ0
     DQ1: gl.constexpr = geo.DQ1
     GROUP: gl.constexpr = geo.GROUP
+    BITS: gl.constexpr = slots.q.dtype.primitive_bitwidth
+    QB: gl.constexpr = min(DQ0, 1024 // BITS)  # (a box's columns: rows of at most 128 bytes)
     mbarrier.wait(slots.empty, (r & 1) ^ 1)  # (also for empty items: no phase may run ahead)
     if w.n_tiles == 0:
         mbarrier.arrive(slots.full)
     else:
-        mbarrier.expect(slots.full, geo.NC * 64 * (DQ0 + DQ1) * 2)
+        mbarrier.expect(slots.full, geo.NC * 64 * (DQ0 + DQ1) * BITS // 8)
         for ci in gl.static_range(geo.NC):
             tok = w.q_start + (w.row0 + ci * 64) // GROUP
-            for h in gl.static_range(DQ0 // 64):
-                dst = slots.q.index(ci).slice(h * 64, 64, dim=1)
-                dst = dst._reinterpret(slots.q.dtype, [64 // GROUP, GROUP, 64], q_desc.layout)
-                tma.async_copy_global_to_shared(q_desc, [tok, w.kv_head * GROUP, h * 64], slots.full, dst)
-            for h in gl.static_range(DQ1 // 64):  # (Dqk > 128: columns past 128 into q1)
-                dst = slots.q1.index(ci).slice(h * 64, 64, dim=1)
-                dst = dst._reinterpret(slots.q.dtype, [64 // GROUP, GROUP, 64], q_desc.layout)
-                tma.async_copy_global_to_shared(q_desc, [tok, w.kv_head * GROUP, DQ0 + h * 64], slots.full, dst)
+            for h in gl.static_range(DQ0 // QB):
+                dst = slots.q.index(ci).slice(h * QB, QB, dim=1)
+                dst = dst._reinterpret(slots.q.dtype, [64 // GROUP, GROUP, QB], q_desc.layout)
+                tma.async_copy_global_to_shared(q_desc, [tok, w.kv_head * GROUP, h * QB], slots.full, dst)
+            for h in gl.static_range(DQ1 // QB):  # (Dqk > 128: columns past 128 into q1)
+                dst = slots.q1.index(ci).slice(h * QB, QB, dim=1)
+                dst = dst._reinterpret(slots.q.dtype, [64 // GROUP, GROUP, QB], q_desc.layout)
+                tma.async_copy_global_to_shared(q_desc, [tok, w.kv_head * GROUP, DQ0 + h * QB], slots.full, dst)
 
 
 @gluon.jit
-def _tma_tile(bufs, idx, bar, src: KVSource, w: WorkItem, t, k_desc, k1_desc, v_desc, v1_desc, geo: Geometry):
+def _tma_tile(
+    bufs,
+    idx,
+    bar,
+    src: KVSource,
+    w: WorkItem,
+    t,
+    k_desc,
+    k1_desc,
+    v_desc,
+    v1_desc,
+    geo: Geometry,
+    K: gl.constexpr,
+    V: gl.constexpr,
+):
     """Bulk-tensor copies of key tile t (wholly below kv_len) into slot ``idx`` of ``bufs`` (a
-    :class:`KVRing` or :class:`Staging`), PAGE_BOX rows a box (one box never crosses a page),
-    completing on ``bar`` (its byte count set by the caller)."""
+    :class:`KVRing` or :class:`Staging`): its K (K) and V (V) rows, PAGE_BOX rows a box (one box
+    never crosses a page), completing on ``bar`` (its byte count set by the caller)."""
     k_buf = bufs.k.index(idx)
     k1_buf = bufs.k1.index(idx)
     v_buf = bufs.v.index(idx)
@@ -179,31 +199,38 @@ def _tma_tile(bufs, idx, bar, src: KVSource, w: WorkItem, t, k_desc, k1_desc, v_
             v_row = page * src.v_page_rows + pos % PAGE_SIZE
         kr, kc = _tma_coords(k_row, w.kv_head, src.k_head_off, geo.K_HEAD_ROWS)
         vr, vc = _tma_coords(v_row, w.kv_head, src.v_head_off, geo.V_HEAD_ROWS)
-        k_dst = k_buf.slice(p * PAGE_BOX, PAGE_BOX)
+        if K:
+            tma.async_copy_global_to_shared(k_desc, [kr, kc], bar, k_buf.slice(p * PAGE_BOX, PAGE_BOX))
+            if geo.DQ1 > 0:
+                tma.async_copy_global_to_shared(k1_desc, [kr, kc + geo.DQ0], bar, k1_buf.slice(p * PAGE_BOX, PAGE_BOX))
         v_dst = v_buf.slice(p * PAGE_BOX, PAGE_BOX)
-        tma.async_copy_global_to_shared(k_desc, [kr, kc], bar, k_dst)
-        if geo.DQ1 > 0:
-            tma.async_copy_global_to_shared(k1_desc, [kr, kc + geo.DQ0], bar, k1_buf.slice(p * PAGE_BOX, PAGE_BOX))
-        if geo.DVO > 128:  # (V's TMA boxes are 128 columns wide: side by side)
+        if not V:
+            pass
+        elif geo.DVO > 128:  # (V's TMA boxes are 128 columns wide: side by side)
             for h in gl.static_range(geo.DVO // 128):
                 tma.async_copy_global_to_shared(v_desc, [vr, vc + h * 128], bar, v_dst.slice(h * 128, 128, dim=1))
         else:
             tma.async_copy_global_to_shared(v_desc, [vr, vc], bar, v_dst)
-        if geo.DV1 > 0:
+        if geo.DV1 > 0 and V:
             tma.async_copy_global_to_shared(v1_desc, [vr, vc + geo.DV0], bar, v1_buf.slice(p * PAGE_BOX, PAGE_BOX))
 
 
 @gluon.jit
 def _stage(stg: Staging, slot, src: KVSource, w: WorkItem, t, k_desc, k1_desc, v_desc, v1_desc, geo: Geometry):
-    """KV8: start key tile t's 8-bit K/V on their way into staging slot ``slot``: TMA boxes for a tile
+    """KV8: start key tile t's 8-bit K/V (F8: V) on their way into staging slot ``slot``: TMA boxes for a tile
     wholly below kv_len, else a zero-filling cp.async gather (TMA mode: committed as a group that
     :func:`_staged` waits for; otherwise each thread's copies arrive on the slot's barrier)."""
     bar = stg.full.index(slot)
     if geo.USE_TMA and (t + 1) * geo.BLOCK_N <= w.kv_len:
-        mbarrier.expect(bar, geo.BLOCK_N * (geo.DQ0 + geo.DQ1 + geo.DVO))
-        _tma_tile(stg, slot, bar, src, w, t, k_desc, k1_desc, v_desc, v1_desc, geo)
+        if geo.F8:  # (V only)
+            mbarrier.expect(bar, geo.BLOCK_N * geo.DVO)
+        else:
+            mbarrier.expect(bar, geo.BLOCK_N * (geo.DQ0 + geo.DQ1 + geo.DVO))
+        _tma_tile(stg, slot, bar, src, w, t, k_desc, k1_desc, v_desc, v1_desc, geo, not geo.F8, True)
     else:
-        src.gather(stg.k.index(slot), stg.k1.index(slot), stg.v.index(slot), stg.v1.index(slot), w, t, geo)
+        src.gather(
+            stg.k.index(slot), stg.k1.index(slot), stg.v.index(slot), stg.v1.index(slot), w, t, geo, not geo.F8, True
+        )
         if geo.USE_TMA:
             async_copy.commit_group()
         else:
@@ -246,6 +273,23 @@ def _widen_part(src_buf, dst_buf, COLS: gl.constexpr, geo: Geometry):
 
 
 @gluon.jit
+def _transpose_v(src_buf, dst_buf, geo: Geometry):
+    """F8: the 8-bit V tile in src_buf ([BLOCK_N, DV0], as it arrived) -> dst_buf ([DV0, BLOCK_N]),
+    its keys in the PV GEMM's operand order (key 32a + 16h + 8i + 2j + e at 32a + 16h + 4j + 2i + e:
+    see :func:`.consumer._p_operand`), 64 keys at a time through registers. Each thread holds 4
+    columns of keys 2j, 2j + 1, 8 + 2j, 9 + 2j (and 16, 32 on): 4-byte loads along the columns, and
+    4-byte stores along the keys, which that order makes consecutive."""
+    DV0: gl.constexpr = geo.DV0
+    WD: gl.constexpr = min(geo.LOAD_WARPS, DV0 // 32)
+    L: gl.constexpr = gl.BlockedLayout([2, 4], [4, 8], [geo.LOAD_WARPS // WD, WD], [1, 0])
+    CH: gl.constexpr = min(geo.BLOCK_N, 64)
+    for r in gl.static_range(geo.BLOCK_N // CH):
+        x = src_buf.slice(r * CH, CH).load(L)
+        x = gl.reshape(gl.permute(gl.reshape(x, [CH // 32, 2, 2, 4, 2, DV0]), (0, 1, 3, 2, 4, 5)), [CH, DV0])
+        dst_buf.slice(r * CH, CH, dim=1).store(gl.permute(x, (1, 0)))
+
+
+@gluon.jit
 def _widen(stg: Staging, slot, ring: KVRing, s, geo: Geometry):
     """KV8: staging slot ``slot`` -> ring stage s (the caller fences and signals it)."""
     _widen_part(stg.k.index(slot), ring.k.index(s), geo.DQ0, geo)
@@ -280,7 +324,10 @@ def _load_partition(
     never reach the PV GEMM) and signalled once all load threads' copies landed.
 
     KV8: the same copies go into staging slot c % S8, S8 - 1 tiles of the item ahead of the one
-    being widened; the load warps widen each tile into its ring stage and signal it (count 1)."""
+    being widened; the load warps widen each tile into its ring stage and signal it (count 1).
+
+    F8: K's copies go straight into the ring as above; V's go into staging like KV8's, and the load
+    warps transpose each tile into its ring stage and arrive once more (count + 1)."""
     STAGES: gl.constexpr = geo.STAGES
     BLOCK_N: gl.constexpr = geo.BLOCK_N
     DQ0: gl.constexpr = geo.DQ0
@@ -303,14 +350,14 @@ def _load_partition(
         # QK GEMM; with O_STAGE they hand the slots back only after the last item's epilogue read O
         # from them, so the empty wait may wait for that; or after the item's last tile)
         q_at = gl.minimum(n_load, STAGES - 2)
-        if geo.KV8:  # (the item's first S8 - 1 tiles into staging; the slots' last tiles are widened)
+        if geo.KV8 or geo.F8:  # (the item's first S8 - 1 tiles into staging; the slots' last tiles are widened)
             for j in gl.static_range(S8 - 1):
                 if j < n_load:
                     _stage(stg, (c + j) % S8, src, w, t_lo + j, k_desc, k1_desc, v_desc, v1_desc, geo)
         for i in range(n_load):
             t = t_lo + i
             s = (c + i) % STAGES
-            if geo.KV8:  # (slot (c + i - 1) % S8: widened in the last step, which ended in a group sync)
+            if geo.KV8 or geo.F8:  # (slot (c + i - 1) % S8: widened in the last step, which ended in a group sync)
                 if i + S8 - 1 < n_load:
                     nxt = c + i + S8 - 1
                     _stage(stg, nxt % S8, src, w, t + S8 - 1, k_desc, k1_desc, v_desc, v1_desc, geo)
@@ -323,18 +370,42 @@ def _load_partition(
                 _widen(stg, (c + i) % S8, ring, s, geo)
                 fence_async_shared()  # (the widened tiles' generic writes before the consumers' wgmma)
                 mbarrier.arrive(ring.full.index(s))  # (a group sync, then one arrive)
+            elif geo.F8:  # K straight into the ring (as for 16-bit K/V), then V transposed from staging
+                if not geo.USE_TMA:
+                    src.gather(
+                        ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo, True, False
+                    )
+                    async_copy.mbarrier_arrive(ring.full.index(s), increment_count=False)
+                elif (t + 1) * BLOCK_N <= w.kv_len:
+                    mbarrier.expect(ring.full.index(s), BLOCK_N * (DQ0 + DQ1))
+                    _tma_tile(
+                        ring, s, ring.full.index(s), src, w, t, k_desc, k1_desc, v_desc, v1_desc, geo, True, False
+                    )
+                else:
+                    src.gather(
+                        ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo, True, False
+                    )
+                    async_copy.commit_group()
+                    async_copy.wait_group(0)
+                    mbarrier.arrive(ring.full.index(s))
+                _staged(stg, c + i, w, t, geo)
+                _transpose_v(stg.v.index((c + i) % S8), ring.v.index(s), geo)
+                fence_async_shared()  # (V's generic writes before the consumers' wgmma)
+                mbarrier.arrive(ring.full.index(s))
             elif geo.USE_TMA:
                 if (t + 1) * BLOCK_N <= w.kv_len:
                     mbarrier.expect(ring.full.index(s), 2 * BLOCK_N * (DQ0 + DQ1 + geo.DVO))
-                    _tma_tile(ring, s, ring.full.index(s), src, w, t, k_desc, k1_desc, v_desc, v1_desc, geo)
+                    _tma_tile(ring, s, ring.full.index(s), src, w, t, k_desc, k1_desc, v_desc, v1_desc, geo, True, True)
                 else:
-                    src.gather(ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo)
+                    src.gather(
+                        ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo, True, True
+                    )
                     async_copy.commit_group()
                     async_copy.wait_group(0)
                     # (arrive follows a barrier of the load warps: all their copies have landed)
                     mbarrier.arrive(ring.full.index(s))
             else:
-                src.gather(ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo)
+                src.gather(ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo, True, True)
                 async_copy.mbarrier_arrive(ring.full.index(s), increment_count=False)
         if geo.Q_TMA:
             if q_at == n_load:
@@ -344,9 +415,3 @@ def _load_partition(
         item = sched.claim(r)
     if sched.dynamic != 0:  # (item >= total: the consumers' stop)
         sched.post(item, r, geo.LOAD_WARPS)
-
-
-@gluon.constexpr_function
-def _layout8(cols):
-    """Shared layout of 8-bit tiles of ``cols`` columns (the host's TMA descriptors use the same)."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=min(cols, 128), element_bitwidth=8, rank=2)

@@ -67,10 +67,10 @@ def _softmax(s, m_i, l_i, qk_e, qk_r, start_n, diag, kv_len, window, cap_out, MA
     ``qk_e`` to multiply S elementwise and ``qk_r`` per row (KV8: [SUB_M, 1] and [SUB_M] tensors, each
     row's own; else one scalar twice). SOFTCAP: the logit is cap_out * tanh(s * qk) (qk then folds
     1 / cap in)."""
-    if geo.SOFTCAP or MASKED or (geo.K_SCALED and not geo.KV8):
+    if geo.SOFTCAP or MASKED or (geo.K_SCALED and not (geo.KV8 or geo.F8)):
         # scale first, then mask: a masked -inf must never meet a zero scale (K_SCALED: the scale's
         # sign is known only on the device, so max(s) * scale may not be max(s * scale); KV8 moves
-        # the sign into Q)
+        # the sign into Q, F8 takes this path for every tile when the scale is not > 0)
         if geo.SOFTCAP:
             s = _tanh(s * qk_e) * cap_out  # (log2 units, scaled and capped)
         else:
