@@ -2,9 +2,9 @@
 
 * :mod:`.hopper` / :mod:`.hopper_kernel` — the sm_90 kernel (Gluon: warp-specialised, TMA,
   asynchronous wgmma) for 16-bit q with K/V in its dtype or fp8, Dqk = Dvo in {64, 96, 128, 256} or
-  Dqk 192 / Dvo 128, and the attention variants;
+  Dqk 192 / Dvo 128, e4m3 q, k and v at D 64 / 128 (8-bit wgmmas), and the attention variants;
 * :mod:`.fa2` / :mod:`.fa2_kernel` — the portable kernel for everything else: other GPUs, other
-  head dims, fp8 q, split-KV for short queries over long prefixes, and the CPU interpreter.
+  head dims, other fp8 q, split-KV for short queries over long prefixes, and the CPU interpreter.
 
 :func:`plan` picks one per batch from host ints only; neither reads lengths on the host.
 """
