@@ -589,16 +589,20 @@ def test_gpu_random_grid_fp8_kv(seed, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dqk", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize(
+    "q_dtype, dqk", [(BF16, 64), (BF16, 96), (BF16, 128), (BF16, 192), (BF16, 256), (E4M3, 64), (E4M3, 128)]
+)
 @pytest.mark.parametrize("page_size", [16, 1, 0])
-def test_gpu_fp8_kv_tile_boundaries(dqk, page_size, monkeypatch):
-    """8-bit K/V: consumers' key ranges ending either side of tile boundaries (the last tile gathered,
-    the rest by TMA or all gathered), GQA 3 and 5, items many per program (the staging slots' phases
-    carried across items), a negative k_scale (no max-first shortcut) on D 128."""
+def test_gpu_fp8_tile_boundaries(q_dtype, dqk, page_size, monkeypatch):
+    """8-bit K/V (widened for bf16 q; e4m3 q on 8-bit wgmmas, V transposed): consumers' key ranges
+    ending either side of tile boundaries (the last tile gathered, the rest by TMA or all gathered),
+    GQA 3 and 5 (Q copied by the consumers), items many per program (the staging slots' and the ring's
+    phases carried across items), a negative k_scale or q_scale (no max-first shortcut) on D 128, and
+    the bound launch on the second run."""
     monkeypatch.setattr(hp, "_num_sms", lambda device: 2)
     group = 3 if dqk in (64, 128, 256) else 5
     case = make_case(
-        52,
+        52 if q_dtype == BF16 else 53,
         lens_q=[40, 41, 150, 90],
         lens_kv=[65, 84, 100, 1500],
         hq=2 * group,
@@ -606,18 +610,19 @@ def test_gpu_fp8_kv_tile_boundaries(dqk, page_size, monkeypatch):
         dqk=dqk,
         dvo=128 if dqk == 192 else dqk,
         page_size=page_size,
-        dtype=BF16,
+        dtype=q_dtype,
         kv_dtype=torch.float8_e4m3fn,
         causal=True,
         device="cuda",
     )
     if dqk == 128:
-        case.kwargs["k_scale"] = -case.kwargs["k_scale"]
+        name = "k_scale" if q_dtype == BF16 else "q_scale"
+        case.kwargs[name] = -case.kwargs[name]
     assert hp.unavailable_reason(batch_of(case)) is None
     for _ in range(2):  # (the second run: the bound launch)
         case.kwargs["out"].fill_(float("nan"))
         out, lse = call(case, knobs=dict(num_splits=1))
-        check(case, out, lse, atol=atol_for(BF16, torch.float8_e4m3fn), lse_atol=2e-2)
+        check(case, out, lse, atol=atol_for(q_dtype, torch.float8_e4m3fn), lse_atol=2e-2)
 
 
 @pytest.mark.gpu
@@ -646,36 +651,6 @@ def test_gpu_random_grid_fp8_qkv(seed, monkeypatch):
     assert hp.unavailable_reason(batch_of(case)) is None
     out, lse = call(case, knobs=dict(num_splits=1), hopper=knobs)
     check(case, out, lse, atol=atol_for(E4M3), lse_atol=2e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dqk", [64, 128])
-@pytest.mark.parametrize("page_size", [16, 1, 0])
-def test_gpu_fp8_qkv_tile_boundaries(dqk, page_size, monkeypatch):
-    """e4m3 q, k and v: consumers' key ranges ending either side of tile boundaries (the last tile
-    gathered, the rest by TMA or all gathered), GQA 3 (Q copied by the consumers), items many per
-    program (staging and ring phases carried across items), a negative q_scale at D 128, and the bound
-    launch on the second run."""
-    monkeypatch.setattr(hp, "_num_sms", lambda device: 2)
-    case = make_case(
-        53,
-        lens_q=[40, 41, 150, 90],
-        lens_kv=[65, 84, 100, 1500],
-        hq=6,
-        hkv=2,
-        dqk=dqk,
-        page_size=page_size,
-        dtype=E4M3,
-        causal=True,
-        device="cuda",
-    )
-    if dqk == 128:
-        case.kwargs["q_scale"] = -case.kwargs["q_scale"]
-    assert hp.unavailable_reason(batch_of(case)) is None
-    for _ in range(2):
-        case.kwargs["out"].fill_(float("nan"))
-        out, lse = call(case, knobs=dict(num_splits=1))
-        check(case, out, lse, atol=atol_for(E4M3), lse_atol=2e-2)
 
 
 @pytest.mark.gpu
