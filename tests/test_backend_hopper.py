@@ -628,7 +628,7 @@ def test_gpu_fp8_tile_boundaries(q_dtype, dqk, page_size, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", range(1500, 1524))
 def test_gpu_random_grid_fp8_qkv(seed, monkeypatch):
-    """e4m3 q, k and v on 8-bit wgmmas (V transposed by the load warps, P through shared memory) on the
+    """e4m3 q, k and v on 8-bit wgmmas (V transposed by the load warps, P converted in registers) on the
     random grid at D 64 and 128: every page size and layout, GQA 1-8 (3, 5, 7 included), small
     persistent grids, both schedules, both tile shapes, a negative q_scale (no max-first shortcut) on a
     quarter of the seeds, variants on a third."""

@@ -276,9 +276,10 @@ def _widen_part(src_buf, dst_buf, COLS: gl.constexpr, geo: Geometry):
 def _transpose_v(src_buf, dst_buf, geo: Geometry):
     """F8: the 8-bit V tile in src_buf ([BLOCK_N, DV0], as it arrived) -> dst_buf ([DV0, BLOCK_N]),
     its keys in the PV GEMM's operand order (key 32a + 16h + 8i + 2j + e at 32a + 16h + 4j + 2i + e:
-    see :func:`.consumer._p_operand`), 64 keys at a time through registers. Each thread holds 4
+    see :func:`.consumer._a_operand`), 64 keys at a time through registers. Each thread holds 4
     columns of keys 2j, 2j + 1, 8 + 2j, 9 + 2j (and 16, 32 on): 4-byte loads along the columns, and
-    4-byte stores along the keys, which that order makes consecutive."""
+    4-byte stores along the keys, which that order makes consecutive. (At DV0 64 two of the four
+    load warps split the keys, so keys 8 + 2j lie in the other warp and the stores take 2 bytes.)"""
     DV0: gl.constexpr = geo.DV0
     WD: gl.constexpr = min(geo.LOAD_WARPS, DV0 // 32)
     L: gl.constexpr = gl.BlockedLayout([2, 4], [4, 8], [geo.LOAD_WARPS // WD, WD], [1, 0])
