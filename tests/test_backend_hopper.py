@@ -598,7 +598,12 @@ def test_gpu_fp8_tile_boundaries(q_dtype, dqk, page_size, monkeypatch):
     ending either side of tile boundaries (the last tile gathered, the rest by TMA or all gathered),
     GQA 3 and 5 (Q copied by the consumers), items many per program (the staging slots' and the ring's
     phases carried across items), a negative k_scale or q_scale (no max-first shortcut) on D 128, and
-    the bound launch on the second run."""
+    the bound launch on the second run.
+
+    e4m3 q: k_scale x 16 makes each row's logits span 9-42 log2 units, so a row max taken before a
+    negative scale would push P far past e4m3's range, and most rows' outputs stand well above the
+    tolerance. That is 4% of the largest |v|: rounding P to e4m3 moves an output by at most 2^-4 of
+    it, and a float64 emulation of that rounding on these cases reads 0.9-1.3%."""
     monkeypatch.setattr(hp, "_num_sms", lambda device: 2)
     group = 3 if dqk in (64, 128, 256) else 5
     case = make_case(
@@ -615,14 +620,19 @@ def test_gpu_fp8_tile_boundaries(q_dtype, dqk, page_size, monkeypatch):
         causal=True,
         device="cuda",
     )
+    kw = case.kwargs
+    atol = atol_for(q_dtype, torch.float8_e4m3fn)
+    if q_dtype == E4M3:
+        kw["k_scale"] = kw["k_scale"] * 16
+        atol = 0.04 * float(kw["v_cache"].float().abs().max() * kw["v_scale"])
     if dqk == 128:
         name = "k_scale" if q_dtype == BF16 else "q_scale"
-        case.kwargs[name] = -case.kwargs[name]
+        kw[name] = -kw[name]
     assert hp.unavailable_reason(batch_of(case)) is None
     for _ in range(2):  # (the second run: the bound launch)
-        case.kwargs["out"].fill_(float("nan"))
+        kw["out"].fill_(float("nan"))
         out, lse = call(case, knobs=dict(num_splits=1))
-        check(case, out, lse, atol=atol_for(q_dtype, torch.float8_e4m3fn), lse_atol=2e-2)
+        check(case, out, lse, atol=atol, lse_atol=2e-2)
 
 
 @pytest.mark.gpu
