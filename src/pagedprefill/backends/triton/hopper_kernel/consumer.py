@@ -101,9 +101,14 @@ def _q_cols_async(
 
 
 @gluon.jit
-def _p_operand(p, P_L: gl.constexpr, dtype: gl.constexpr):
-    """P (float32, the QK accumulator's layout) in the GEMMs' dtype as the PV GEMM's A operand."""
-    return gl.convert_layout(p.to(dtype), P_L)
+def _p_operand(p, P_L: gl.constexpr, dtype: gl.constexpr, F8: gl.constexpr):
+    """P (float32, the QK accumulator's layout) as it crosses the loop to the next PV GEMM: in the
+    GEMMs' dtype as that GEMM's A operand, or (F8) as it is (:func:`_a_operand` converts it there)."""
+    if F8:
+        p_op = p
+    else:
+        p_op = gl.convert_layout(p.to(dtype), P_L)
+    return p_op
 
 
 @gluon.jit
@@ -331,12 +336,9 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
                 p, m_i, l_i, alpha0 = _softmax(
                     sc, m_i, l_i, qk_e, qk_r, t_own * BLOCK_N, diag, w.kv_len, sched.window, cap_out, True, geo
                 )
-            if geo.F8:
-                p_op = p
-            else:
-                p_op = _p_operand(p, P_L, dtype)
+            p_op = _p_operand(p, P_L, dtype, geo.F8)
             if DV1 > 0:
-                p_op1 = _p_operand(p, P1_L, dtype)
+                p_op1 = _p_operand(p, P1_L, dtype, geo.F8)
         for t in range(t_own + 1, n_walk):
             s = (c + t - t_lo) % STAGES
             prev = (c + t - t_lo - 1) % STAGES
@@ -380,12 +382,9 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
             else:
                 acc = warpgroup_mma_wait(0, deps=[o_tok])
             mbarrier.arrive(ring.empty.index(prev))
-            if geo.F8:
-                p_op = p
-            else:
-                p_op = _p_operand(p, P_L, dtype)
+            p_op = _p_operand(p, P_L, dtype, geo.F8)
             if DV1 > 0:
-                p_op1 = _p_operand(p, P1_L, dtype)
+                p_op1 = _p_operand(p, P1_L, dtype, geo.F8)
         if n_walk > t_own:
             last = (c + n_walk - 1 - t_lo) % STAGES
             if n_walk > t_own + 1:
