@@ -3,7 +3,7 @@
     python scripts/tune_hopper.py d256_b8_q2k "BLOCK_N=32,stages=4" "consumer_regs=232,load_regs=40"
 
 A workload name with the suffix ``:fp8kv`` runs its data with K/V quantized to e4m3 (q unchanged,
-scales 0.5); ``:bf16`` runs an fp8 workload's 16-bit data.
+scales 0.5); ``:fp8`` q, K and V quantized; ``:bf16`` runs an fp8 workload's 16-bit data.
 
 Each knob set is ``name=value`` pairs (``tuning.override("hopper", ...)``); the first row is the
 default config. Times: the eager benchmark's timer (CUDA events around one call, L2 flushed before

@@ -228,15 +228,17 @@ def quantize_case(case: dict, kind: str, scale: float = FP8_SCALE) -> dict:
 
 def named_case(name: str, device: str | torch.device, seed: int = 0) -> dict:
     """:func:`build_case` of a workload named ``name``, bf16, without LSE; the suffix ``:fp8kv`` runs
-    its 16-bit data with K/V quantized to e4m3 (q unchanged), ``:bf16`` an fp8 workload's 16-bit data
-    (the scripts that time or profile one kernel take such names)."""
+    its 16-bit data with K/V quantized to e4m3 (q unchanged), ``:fp8`` with q, K and V quantized,
+    ``:bf16`` an fp8 workload's 16-bit data (the scripts that time or profile one kernel take such
+    names)."""
     base, _, kind = name.partition(":")
     w = get_workload(base)
-    if kind in ("fp8kv", "bf16"):
+    if kind in ("fp8kv", "fp8", "bf16"):
         kw = build_case(w, device, dtype=torch.bfloat16, seed=seed, fp8=False)
-        kw = quantize_case(kw, "fp8_kv") if kind == "fp8kv" else kw
+        if kind != "bf16":
+            kw = quantize_case(kw, "fp8_kv" if kind == "fp8kv" else "fp8")
     elif kind:
-        raise ValueError(f"workload suffix {kind!r} of {name!r}: expected fp8kv or bf16")
+        raise ValueError(f"workload suffix {kind!r} of {name!r}: expected fp8kv, fp8 or bf16")
     else:
         kw = build_case(w, device, dtype=torch.bfloat16, seed=seed)
     kw.pop("lse", None)

@@ -272,18 +272,48 @@ def _widen_part(src_buf, dst_buf, COLS: gl.constexpr, geo: Geometry):
         dst_buf.slice(r * RCH, RCH).store(x.to(dst_buf.dtype))
 
 
+@gluon.constexpr_function
+def _transpose_layout(CH, DV0, LOAD_WARPS):
+    """The registers of a [CH keys, DV0 columns] 8-bit V chunk as :func:`_transpose_v` moves it: a
+    thread holds 4 consecutive columns (4-byte ``ldmatrix`` rows) of keys e + 8i + 32a (e, i, a in
+    registers); lanes take columns 4c (c: 2 bits), keys 2j (j: 2 bits) and key 16; warps, then
+    registers, the columns from 16 on. A 4-byte store then writes 4 keys of one column, and its 8
+    groups of 4 lanes (j) write 16-byte chunks that the 64-byte swizzle spreads over 4 of a bank
+    line's 8 chunks: 2-way conflicts (8 lanes along the columns, as a blocked layout has them, met
+    in 2 chunks: 4-way), and the ``ldmatrix`` rows 2-way (keys 16 apart take the same chunk of the
+    staging's 128-byte swizzle). Registers keep what a thread needs for each column in one row
+    (``docs/decisions.md``: the 16-byte-store order measured slower)."""
+    assert CH in (32, 64) and DV0 >= 16 * LOAD_WARPS // (2 if CH == 64 else 1)
+    reg = [[0, 1], [0, 2], [1, 0], [8, 0]]
+    lane = [[0, 4], [0, 8], [2, 0], [4, 0], [16, 0]]
+    warp = []
+    col = 16
+    key5 = CH == 64
+    for _ in range(LOAD_WARPS.bit_length() - 1):
+        if col < DV0:
+            warp.append([0, col])
+            col *= 2
+        else:
+            warp.append([32, 0])
+            key5 = False
+    if key5:
+        reg.append([32, 0])
+    while col < DV0:
+        reg.append([0, col])
+        col *= 2
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [CH, DV0])
+
+
 @gluon.jit
 def _transpose_v(src_buf, dst_buf, geo: Geometry):
     """F8: the 8-bit V tile in src_buf ([BLOCK_N, DV0], as it arrived) -> dst_buf ([DV0, BLOCK_N]),
     its keys in the PV GEMM's operand order (key 32a + 16h + 8i + 2j + e at 32a + 16h + 4j + 2i + e:
-    see :func:`.consumer._a_operand`), 64 keys at a time through registers. Each thread holds 4
-    columns of keys 2j, 2j + 1, 8 + 2j, 9 + 2j (and 16, 32 on): 4-byte loads along the columns, and
-    4-byte stores along the keys, which that order makes consecutive. (At DV0 64 two of the four
-    load warps split the keys, so keys 8 + 2j lie in the other warp and the stores take 2 bytes.)"""
+    see :func:`.consumer._a_operand`), 64 keys at a time through registers (:func:`_transpose_layout`):
+    4-byte loads along the columns, and 4-byte stores along the keys, which that order makes
+    consecutive."""
     DV0: gl.constexpr = geo.DV0
-    WD: gl.constexpr = min(geo.LOAD_WARPS, DV0 // 32)
-    L: gl.constexpr = gl.BlockedLayout([2, 4], [4, 8], [geo.LOAD_WARPS // WD, WD], [1, 0])
     CH: gl.constexpr = min(geo.BLOCK_N, 64)
+    L: gl.constexpr = _transpose_layout(CH, DV0, geo.LOAD_WARPS)
     for r in gl.static_range(geo.BLOCK_N // CH):
         x = src_buf.slice(r * CH, CH).load(L)
         x = gl.reshape(gl.permute(gl.reshape(x, [CH // 32, 2, 2, 4, 2, DV0]), (0, 1, 3, 2, 4, 5)), [CH, DV0])
