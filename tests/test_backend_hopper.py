@@ -211,6 +211,14 @@ def test_fp8_qkv_staging_holds_v_only():
             assert hp.o_stage_mode(batch, True) == 0  # (out is bf16: O goes out from its accumulator)
     with tuning.override("hopper", BLOCK_N=16), pytest.raises(ValueError, match=">= 32 with fp8 q"):
         hp.config(batch_of(_case(dtype=E4M3)))
+    # (V's transpose: 16 columns a load warp, then key 32 of a 64-key chunk)
+    small = batch_of(_case(dqk=64, dtype=E4M3))
+    with tuning.override("hopper", BLOCK_N=32, load_warps=8, consumer_regs=144, load_regs=40):
+        with pytest.raises(ValueError, match="load_warps <= 4 with fp8 q"):
+            hp.config(small)
+    for knobs in (dict(load_warps=8, consumer_regs=144, load_regs=40), dict(BLOCK_N=32), dict(load_warps=2)):
+        with tuning.override("hopper", **knobs):
+            assert hp.config(small).load_warps == knobs.get("load_warps", 4)
 
 
 def _xor_map(bases, idx):

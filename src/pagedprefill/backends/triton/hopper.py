@@ -172,6 +172,9 @@ def config(batch: PrefillBatch) -> Config:
         why = f"BLOCK_N must be >= 32 with fp8 q, got {cfg.BLOCK_N}"
     elif cfg.load_warps not in (2, 4, 8):
         why = f"load_warps must be 2, 4 or 8, got {cfg.load_warps}"
+    elif batch.fp8_q and 16 * cfg.load_warps > first_part(batch.head_dim_vo) * (2 if cfg.BLOCK_N >= 64 else 1):
+        # (V's transpose gives each load warp 16 columns, then key 32 of a 64-key chunk: see _transpose_layout)
+        why = f"load_warps <= {first_part(batch.head_dim_vo) // (8 if cfg.BLOCK_N >= 64 else 16)} with fp8 q here"
     elif any(r % 8 or not 24 <= r <= 256 for r in (cfg.consumer_regs, cfg.load_regs)):
         why = "consumer_regs and load_regs must be multiples of 8 in [24, 256]"
     elif 128 * cfg.consumers * cfg.consumer_regs + 32 * cfg.load_warps * cfg.load_regs > 65536:
