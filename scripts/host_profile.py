@@ -1,7 +1,10 @@
 """Where a per-layer call spends its host time: cProfile over plan.run and the one-shot call, with
 the GPU busy (calls queued behind a sleep kernel), plus the cost of the primitives they use.
 
-    python scripts/host_profile.py [--out DIR] [--cases b128_q128,ragged_b32_devoffsets]
+    python scripts/host_profile.py [--out DIR] [--cases b128_q128,ragged_b32_devoffsets] [--backends triton]
+
+``--out`` keeps two ``.prof`` files per case and backend: the device machine returns 8 files at most,
+so keep cases x backends (and the log beside them) within that.
 """
 
 from __future__ import annotations
