@@ -13,6 +13,8 @@
 #   variants  scripts/bench_variants.py: window, soft-cap, sinks, merge_state
 #   tune      scripts/tune_hopper.py \$TUNE_ARGS: the Hopper kernel under knob sets beside cuDNN
 #   profile   scripts/host_profile.py: cProfile of plan.run / one-shot per layer, and primitive costs
+#   ab        scripts/tune_hopper.py \$TUNE_ARGS under each source tree _ab/NAME of \$AB (scripts/ab_trees.sh;
+#             carry _ab), in the order given and then reversed, one process per tree and pass
 # Knobs: TESTS (test paths/ids, default tests), PYTEST_ARGS, WORKERS, BENCH_ARGS, PROFILE_ARGS, SERVING_N, TAG (file
 # prefix); time limits in seconds: TEST_S, MEMCHECK_S, BENCH_S, SERVING_S, VARIANTS_S.
 # Wheels (.whl/, carried): nvidia-cudnn-frontend, fa3-fwd, pytest-xdist + execnet.
@@ -84,6 +86,13 @@ for s in $steps; do
       timeout "${TUNE_S:-240}" python3 scripts/tune_hopper.py ${TUNE_ARGS:-d256_b8_q2k} >"$OUT/$TAG-tune.log" 2>&1
       echo "rc $?"
       cat "$OUT/$TAG-tune.log" ;;
+    ab)
+      order="${AB:?AB: names of _ab/ trees}"
+      rev=$(echo $order | tr ' ' '\n' | tac | tr '\n' ' ')
+      for t in $order $rev; do
+        echo "## $t"
+        PYTHONPATH=/tmp/site:$PWD/_ab/$t/src timeout "${TUNE_S:-240}" python3 scripts/tune_hopper.py ${TUNE_ARGS:-d256_b8_q2k} 2>&1 | grep -E "triton|ERROR"
+      done | tee "$OUT/$TAG-ab.log" ;;
     profile)
       timeout 240 python3 scripts/host_profile.py --out "$OUT" ${PROFILE_ARGS:-} >"$OUT/$TAG-profile.log" 2>&1
       echo "rc $?"
