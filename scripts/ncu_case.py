@@ -2,7 +2,7 @@
 
     ncu --profile-from-start off ... python scripts/ncu_case.py fp8kv_b8_q2k:fp8kv fp8kv_b8_q2k:bf16
 
-Each name (suffixes as in ``tune_hopper.py``: ``:fp8kv`` K/V quantized to e4m3, ``:bf16`` the
+Each name (suffixes as in ``tune_hopper.py``: ``:fp8kv`` K/V quantized to e4m3, ``:fp8`` q, K and V, ``:bf16`` the
 16-bit data of an fp8 workload) is called three times outside the profiled range (compilation,
 metadata, descriptor caches), then once inside it.
 """

@@ -276,13 +276,15 @@ def _widen_part(src_buf, dst_buf, COLS: gl.constexpr, geo: Geometry):
 def _transpose_layout(CH, DV0, LOAD_WARPS):
     """The registers of a [CH keys, DV0 columns] 8-bit V chunk as :func:`_transpose_v` moves it: a
     thread holds 4 consecutive columns (4-byte ``ldmatrix`` rows) of keys e + 8i + 32a (e, i, a in
-    registers); lanes take columns 4c (c: 2 bits), keys 2j (j: 2 bits) and key 16; warps, then
-    registers, the columns from 16 on. A 4-byte store then writes 4 keys of one column, and its 8
-    groups of 4 lanes (j) write 16-byte chunks that the 64-byte swizzle spreads over 4 of a bank
-    line's 8 chunks: 2-way conflicts (8 lanes along the columns, as a blocked layout has them, met
-    in 2 chunks: 4-way), and the ``ldmatrix`` rows 2-way (keys 16 apart take the same chunk of the
-    staging's 128-byte swizzle). Registers keep what a thread needs for each column in one row
-    (``docs/decisions.md``: the 16-byte-store order measured slower)."""
+    registers; key 32 on a warp where the warps outnumber the column groups of 16); lanes take
+    columns 4c (c: 2 bits), keys 2j (j: 2 bits) and key 16; warps, then registers, the columns from
+    16 on. A 4-byte store then writes 4 keys of one column, and its 8 groups of 4 lanes (j) write
+    16-byte chunks that the ring's swizzle (64 bytes for 64-key tiles, 128 for 128-key ones) spreads
+    over 4 of a bank line's 8 chunks: 2-way conflicts (8 lanes along the columns, as a blocked layout
+    has them, met in 2 chunks: 4-way; 32-key tiles' 32-byte rows: 4-way), and the ``ldmatrix`` rows
+    2-way (keys 16 apart take the same chunk of the staging's 128-byte swizzle). The same elements
+    in keys-first register order (one 16-byte store per column) measured slower
+    (``docs/decisions.md``)."""
     assert CH in (32, 64) and DV0 >= 16 * LOAD_WARPS // (2 if CH == 64 else 1)
     reg = [[0, 1], [0, 2], [1, 0], [8, 0]]
     lane = [[0, 4], [0, 8], [2, 0], [4, 0], [16, 0]]
@@ -308,7 +310,8 @@ def _transpose_layout(CH, DV0, LOAD_WARPS):
 def _transpose_v(src_buf, dst_buf, geo: Geometry):
     """F8: the 8-bit V tile in src_buf ([BLOCK_N, DV0], as it arrived) -> dst_buf ([DV0, BLOCK_N]),
     its keys in the PV GEMM's operand order (key 32a + 16h + 8i + 2j + e at 32a + 16h + 4j + 2i + e:
-    see :func:`.consumer._a_operand`), 64 keys at a time through registers (:func:`_transpose_layout`):
+    see :func:`.consumer._a_operand`), 64 keys (32 at 32-key tiles) at a time through registers
+    (:func:`_transpose_layout`):
     4-byte loads along the columns, and 4-byte stores along the keys, which that order makes
     consecutive."""
     DV0: gl.constexpr = geo.DV0
