@@ -142,6 +142,125 @@ def test_window_override_at_run():
     check(case, out, None, atol=2e-5)
 
 
+def _paged_wrapper(case, kv_layout="HND", **plan_kw):
+    kw = case.kwargs
+    indptr, indices, last = _csr(case) if kw["k_cache"].shape[2] > 1 else _csr_page1(case)
+    w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(kw["workspace_buffer"], kv_layout)
+    ps = kw["k_cache"].shape[2]
+    w.plan(_qo_indptr(case), indptr, indices, last, 6, 2, 32, ps, q_data_type=F32, causal=kw["causal"], **plan_kw)
+    return w
+
+
+def _csr_page1(case):
+    indptr, indices, last = csr_pages(case)
+    i32 = dict(dtype=torch.int32)
+    return torch.tensor(indptr, **i32), torch.tensor(indices, **i32).to(DEVICE), torch.tensor(last, **i32)
+
+
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_paged_wrapper_takes_squeezed_page_size_1_caches(kv_layout):
+    """FlashInfer's page-size-1 forms: a tuple of 3-D (pages, Hkv, D) tensors, or one 4-D
+    (pages, 2, Hkv, D) tensor, with the page dimension implied."""
+    case = _case(page_size=1, causal=True)
+    kw = case.kwargs
+    k, v = kw["k_cache"][:, :, 0], kw["v_cache"][:, :, 0]  # (pages, Hkv, D): one token a page
+    w = _paged_wrapper(case, kv_layout)
+    for cache in ((k, v), torch.stack([k, v], 1)):
+        check(case, w.run(kw["q"], cache), None, atol=2e-5)
+
+
+def test_paged_wrapper_lse_buffer_shape_and_uncovered_rows():
+    """A caller's lse must be (q rows, Hq) float32; rows no sequence covers keep their contents
+    (the base-2 conversion scales the covered rows alone)."""
+    case = _case(causal=True)
+    kw = case.kwargs
+    cache = (kw["k_cache"], kw["v_cache"])
+    w = _paged_wrapper(case)
+    rows = sum(case.lens_q)
+    q = torch.cat([kw["q"][:rows], torch.randn(5, 6, 32, dtype=F32, device=DEVICE)])  # 5 rows past the batch
+    for bad in (torch.empty(rows + 5, 5), torch.empty((rows + 5) * 6), torch.empty(rows, 6)):
+        with pytest.raises(ValueError, match=r"^lse: expected a float32 tensor of shape \(q rows, num_qo_heads\)"):
+            w.run(q, cache, lse=bad, return_lse=True)
+    lse = torch.full((rows + 5, 6), 7.0, device=DEVICE)
+    out, got = w.run(q, cache, lse=lse, return_lse=True)
+    assert got is lse
+    assert (lse[rows:] == 7.0).all(), "uncovered LSE rows were written"
+    torch.testing.assert_close(lse[:rows].double().cpu() * math.log(2), _ref_lse_rows(case), atol=2e-5, rtol=0)
+    check(case, out[:rows], None, atol=2e-5)
+
+
+def test_paged_wrapper_lse_rows_read_on_the_device_with_cuda_graphs():
+    """use_cuda_graph: the covered rows come from the indptr buffer a later plan refills (the same
+    masked conversion a replay would run)."""
+    case = _case(causal=True)
+    kw = case.kwargs
+    indptr, indices, last = _csr(case)
+    w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(kw["workspace_buffer"], "HND", use_cuda_graph=True)
+    w.plan(_qo_indptr(case), indptr, indices, last, 6, 2, 32, 4, q_data_type=F32, causal=True)
+    rows = sum(case.lens_q)
+    q = torch.cat([kw["q"][:rows], torch.randn(3, 6, 32, dtype=F32, device=DEVICE)])
+    lse = torch.full((rows + 3, 6), float("nan"), device=DEVICE)
+    w.run(q, (kw["k_cache"], kw["v_cache"]), lse=lse, return_lse=True)
+    assert torch.isnan(lse[rows:]).all()
+    torch.testing.assert_close(lse[:rows].double().cpu() * math.log(2), _ref_lse_rows(case), atol=2e-5, rtol=0)
+
+
+def test_deprecated_flashinfer_methods():
+    """begin_forward, run_return_lse, forward / forward_return_lse (their causal, window, soft-cap
+    and scale replace the plan's for the call), end_forward, is_cuda_graph_enabled,
+    reset_workspace_buffer (plan again before the next run); workspace_size refused by name."""
+    causal = _case(causal=True)
+    kw = causal.kwargs
+    indptr, indices, last = _csr(causal)
+    cache = (kw["k_cache"], kw["v_cache"])
+    w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(kw["workspace_buffer"], "HND")
+    assert w.is_cuda_graph_enabled is False
+    w.begin_forward(_qo_indptr(causal), indptr, indices, last, 6, 2, 32, 4, q_data_type=F32)  # not causal
+    check(causal, w.forward(kw["q"], cache, causal=True, sm_scale=kw["scale"]), None, atol=2e-5)
+    out, lse = w.forward_return_lse(kw["q"], cache, causal=True, sm_scale=kw["scale"])
+    torch.testing.assert_close(lse.double().cpu() * math.log(2), _ref_lse_rows(causal), atol=2e-5, rtol=0)
+    capped = _case(causal=True, logits_soft_cap=5.0, window_left=4)
+    check(capped, w.forward(kw["q"], cache, True, window_left=4, logits_soft_cap=5.0), None, atol=2e-5)
+    full = _case(causal=False)
+    o2, l2 = w.run_return_lse(kw["q"], cache)  # (the plan's own, non-causal)
+    check(full, o2, None, atol=2e-5)
+    torch.testing.assert_close(l2.double().cpu() * math.log(2), _ref_lse_rows(full), atol=2e-5, rtol=0)
+    with pytest.raises(NotImplementedError, match="rope_theta"):
+        w.forward(kw["q"], cache, rope_theta=1e4)
+    with pytest.raises(NotImplementedError, match="workspace_size"):
+        w.workspace_size(_qo_indptr(causal), indptr, indices, last, 6, 2, 32, 4)
+    w.end_forward()
+    w.reset_workspace_buffer(torch.empty_like(kw["workspace_buffer"]), torch.empty(8, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="plan"):
+        w.run(kw["q"], cache)
+    w.plan(_qo_indptr(causal), indptr, indices, last, 6, 2, 32, 4, q_data_type=F32, causal=True)
+    check(causal, w.run(kw["q"], cache), None, atol=2e-5)
+
+
+def test_paged_plan_checks_seq_lens_against_the_pages():
+    """FlashInfer plans its KV lengths from seq_lens where given: beside CSR pages they must be the
+    pages' lengths (never ignored); fixed_split_size=-1 is FlashInfer's "off"."""
+    case = _case(causal=True)
+    kw = case.kwargs
+    w = _paged_wrapper(case, seq_lens=torch.tensor(case.lens_kv, dtype=torch.int32), fixed_split_size=-1)
+    check(case, w.run(kw["q"], (kw["k_cache"], kw["v_cache"])), None, atol=2e-5)
+    wrong = torch.tensor(case.lens_kv, dtype=torch.int32) + 1
+    with pytest.raises(ValueError, match="^seq_lens: expected the KV lengths of the CSR pages"):
+        _paged_wrapper(case, seq_lens=wrong)
+
+
+def test_ragged_run_takes_an_o_scale_of_one():
+    case = _case(page_size=0)
+    kw = case.kwargs
+    kv_indptr = torch.tensor([0, *torch.tensor(case.lens_kv).cumsum(0).tolist()], dtype=torch.int32)
+    w = pagedprefill.BatchPrefillWithRaggedKVCacheWrapper(kw["workspace_buffer"])
+    w.plan(_qo_indptr(case), kv_indptr, 6, 2, 32, causal=kw["causal"], q_data_type=F32)
+    check(case, w.run(kw["q"], kw["k_cache"], kw["v_cache"], o_scale=1.0), None, atol=2e-5)
+    check(case, w.forward(kw["q"], kw["k_cache"], kw["v_cache"], causal=kw["causal"]), None, atol=2e-5)
+    with pytest.raises(NotImplementedError, match="o_scale"):
+        w.run(kw["q"], kw["k_cache"], kw["v_cache"], o_scale=2.0)
+
+
 @pytest.mark.parametrize(
     "where, kwargs",
     [

@@ -9,7 +9,16 @@ and ``BatchPrefillWithRaggedKVCacheWrapper`` runs by changing the import.
 As in FlashInfer, the wrappers return the LSE in **base 2** (``log2`` of the sum of ``2^(s log2 e)``),
 shape ``(qo_indptr[-1], num_qo_heads)``; the one-shot ``cudnn_batch_prefill_with_kv_cache`` and
 ``PrefillPlan.run`` return natural-log LSEs. ``pagedprefill.merge_state(..., lse_base=2)`` merges
-wrapper LSEs.
+wrapper LSEs. A caller's ``lse`` buffer is ``(q rows, num_qo_heads)`` float32, as FlashInfer asks;
+its rows that no sequence covers are left as they are.
+
+FlashInfer's other entry points are here too: ``begin_forward`` (= ``plan``), ``run_return_lse``,
+the deprecated ``forward`` / ``forward_return_lse`` (whose causal, window, soft-cap and scale replace
+the plan's for that call; FlashInfer keeps them for later runs), ``end_forward``,
+``is_cuda_graph_enabled`` and ``reset_workspace_buffer`` (plan again after it); ``workspace_size``
+raises ``NotImplementedError``. The paged cache may also take FlashInfer's page-size-1 forms (a
+tuple of 3-D ``(pages, Hkv, D)`` tensors or one 4-D ``(pages, 2, Hkv, D)`` tensor). ``seq_lens``
+beside CSR pages must equal the pages' KV lengths (checked where they are on the host).
 
 Host time: pass ``qo_indptr`` / ``paged_kv_indptr`` / ``paged_kv_last_page_len`` on the CPU (as FlashInfer
 recommends); on the device, ``plan`` reads them back once unless ``max_token_per_sequence`` and
@@ -23,6 +32,7 @@ the first plan to set those bounds).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -30,6 +40,7 @@ from torch import Tensor
 
 from pagedprefill import api, normalise
 from pagedprefill.batch import fail
+from pagedprefill.normalise import describe
 from pagedprefill.prefill_plan import PrefillPlan
 
 __all__ = ["BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper"]
@@ -90,10 +101,29 @@ class _Wrapper:
         self._backend = backend
         self._buffers = {k: v for k, v in buffers.items() if v is not None}  # (the buffers given)
         self._plan: PrefillPlan | None = None
-        self._window_plans: dict[int, PrefillPlan] = {}
+        self._variant_plans: dict[tuple, PrefillPlan] = {}
+        self._lse_rows: tuple[int, int] | Tensor | None = None  # (first, end) rows, or the device qo_indptr
         self._bounds: tuple[int, int] | None = None
         self._batch: int | None = None
         self._dtypes: tuple = (None, None)
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        """Whether the wrapper was made with ``use_cuda_graph=True`` (FlashInfer's property)."""
+        return self._use_cuda_graph
+
+    def reset_workspace_buffer(
+        self, float_workspace_buffer: Tensor, int_workspace_buffer: Tensor | None = None
+    ) -> None:
+        """FlashInfer's ``reset_workspace_buffer``: later plans use ``float_workspace_buffer`` (this
+        library needs no int workspace, so ``int_workspace_buffer`` is not used); plan again before
+        the next run."""
+        self._workspace = float_workspace_buffer
+        self._plan = None
+        self._variant_plans = {}
+
+    def end_forward(self) -> None:
+        """FlashInfer's deprecated ``end_forward``: nothing to release."""
 
     @property
     def plan_object(self) -> PrefillPlan:
@@ -155,32 +185,77 @@ class _Wrapper:
             max_q, max_kv = self._bounds
         return max_q, max_kv
 
+    def _set_lse_rows(self, qo_indptr: Tensor) -> None:
+        """The rows a run's LSE covers, for the base-2 conversion of a caller's buffer: known on the
+        host, or (device indptr, or a CUDA graph that a later plan may refill) read on the device."""
+        on_host = qo_indptr.device.type == "cpu" and not self._use_cuda_graph
+        self._lse_rows = (int(qo_indptr[0]), int(qo_indptr[-1])) if on_host else qo_indptr
+
+    def _variant(self, **changes) -> PrefillPlan:
+        """The plan with ``changes`` to its :class:`~pagedprefill.batch.Sequences` (a run's own
+        window, or a deprecated ``forward``'s causal / window / soft-cap / scale), made once."""
+        base = self.plan_object
+        changes = {k: v for k, v in changes.items() if getattr(base.seq, k) != v}
+        if not changes:
+            return base
+        key = tuple(sorted(changes.items()))
+        p = self._variant_plans.get(key)
+        if p is None:
+            p = self._variant_plans[key] = PrefillPlan(
+                dataclasses.replace(base.seq, **changes),
+                base.vectors,
+                base.pages,
+                device=base.device,
+                backend=self._backend,
+                workspace_buffer=base.workspace,
+                o_data_type=base.o_data_type,
+            )
+        return p
+
+    def _forward_plan(self, causal, pos_encoding_mode, use_fp16_qk_reduction, window_left, soft_cap, sm_scale, rope):
+        """The plan a deprecated ``forward(...)`` call runs: its arguments replace the plan's."""
+        _refuse(
+            pos_encoding_mode=(pos_encoding_mode, "NONE"),
+            use_fp16_qk_reduction=(use_fp16_qk_reduction, False),
+            rope_scale=(rope[0], None),
+            rope_theta=(rope[1], None),
+        )
+        window_left, soft_cap = normalise.variant_args(window_left, soft_cap)
+        seq = self.plan_object.seq
+        scale = normalise.scale_arg(sm_scale) if sm_scale is not None else 1 / math.sqrt(seq.head_dim_qk)
+        causal = normalise.bool_arg("causal", causal)
+        return self._variant(causal=causal, window_left=window_left, logits_soft_cap=soft_cap, scale=scale)
+
     def _run(
-        self, q: Tensor, k: Tensor, v: Tensor, out, lse, return_lse, q_scale, k_scale, v_scale, window_left, sinks
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out,
+        lse,
+        return_lse,
+        q_scale,
+        k_scale,
+        v_scale,
+        window_left,
+        sinks,
+        p: PrefillPlan | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        p = self.plan_object
+        p = p or self.plan_object
         q_dt, kv_dt = self._dtypes
         if q_dt is not None and q.dtype != q_dt:
             raise fail("q", f"dtype {q_dt} (q_data_type of plan)", q.dtype)
         if kv_dt is not None and k.dtype != kv_dt:
             raise fail("paged_kv_cache" if self._paged else "k", f"dtype {kv_dt} (kv_data_type of plan)", k.dtype)
         if window_left is not None and window_left != p.seq.window_left:
-            p = self._window_plans.get(window_left)
-            if p is None:
-                seq = dataclasses.replace(self._plan.seq, window_left=normalise.variant_args(window_left, 0.0)[0])
-                p = self._window_plans[window_left] = PrefillPlan(
-                    seq,
-                    self._plan.vectors,
-                    self._plan.pages,
-                    device=self._plan.device,
-                    backend=self._backend,
-                    workspace_buffer=self._plan.workspace,
-                    o_data_type=self._plan.o_data_type,
-                )
+            p = self._variant(window_left=normalise.variant_args(window_left, 0.0)[0])
+        lse_buf = None
         if lse is not None and return_lse:
+            hq = p.seq.num_qo_heads
+            if not isinstance(lse, Tensor) or tuple(lse.shape) != (q.shape[0], hq):
+                given = f"shape {tuple(lse.shape)}" if isinstance(lse, Tensor) else type(lse).__name__
+                raise fail("lse", f"a float32 tensor of shape (q rows, num_qo_heads) = ({q.shape[0]}, {hq})", given)
             lse_buf = lse
-        else:
-            lse_buf = None
         o, lse_nat = p.run(
             q,
             k,
@@ -195,7 +270,17 @@ class _Wrapper:
         )
         if not return_lse:
             return o
-        return o, lse_nat.mul_(LOG2E)  # FlashInfer's wrappers return base-2 LSEs
+        # FlashInfer's wrappers return base-2 LSEs; a caller's buffer keeps its rows that no sequence
+        # covers (an allocated one holds -inf there, which the scaling keeps)
+        rows = self._lse_rows
+        if lse_buf is None or rows is None:
+            return o, lse_nat.mul_(LOG2E)
+        if isinstance(rows, tuple):
+            lse_nat[rows[0] : rows[1]].mul_(LOG2E)
+            return o, lse_nat
+        idx = torch.arange(lse_nat.shape[0], device=lse_nat.device)
+        covered = (idx >= rows[0]) & (idx < rows[-1])
+        return o, lse_nat.copy_(torch.where(covered[:, None], lse_nat * LOG2E, lse_nat))
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
@@ -286,7 +371,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
             token_pos_in_items_ptr=(token_pos_in_items_ptr, None),
             token_pos_in_items_len=(token_pos_in_items_len, 0),
             max_item_len_ptr=(max_item_len_ptr, None),
-            fixed_split_size=(fixed_split_size, None),
+            fixed_split_size=(None if fixed_split_size == -1 else fixed_split_size, None),  # (-1: off)
             disable_split_kv=(disable_split_kv, False),
             seq_lens_q=(seq_lens_q, None),
         )
@@ -309,8 +394,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
             kv = dict(kv_indptr=indptr, kv_indices=paged_kv_indices, kv_last_page_len=last)
             kv_host = None
             if indptr.device.type == "cpu" and last.device.type == "cpu":
-                n = (indptr[1:] - indptr[:-1]).clamp(min=0)
-                kv_host = torch.where(n > 0, (n - 1) * page_size + last, 0).tolist()
+                kv_host = _csr_lens(indptr, last, page_size).tolist()
+            if seq_lens is not None:  # (FlashInfer plans its KV lengths from them: they must be the pages')
+                _check_seq_lens(seq_lens, kv_host, indptr, last, page_size, max_sequence_kv)
         q_host = lens_q.tolist() if lens_q.device.type == "cpu" else None
         if q_host is None and max_token_per_sequence is None:
             q_host = lens_q.tolist()  # (device indptr without bounds: one read-back, as FlashInfer does)
@@ -353,7 +439,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
             backend=self._backend,
             **kv,
         )
-        self._window_plans = {}
+        self._variant_plans = {}
+        self._set_lse_rows(qo_indptr)
+
+    begin_forward = plan
 
     def run(
         self,
@@ -390,18 +479,65 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         k, v = self._unpack(paged_kv_cache)
         return self._run(q, k, v, out, lse, return_lse, q_scale, k_scale, v_scale, window_left, sinks)
 
+    run_return_lse = functools.partialmethod(run, return_lse=True)
+
+    def forward(
+        self,
+        q: Tensor,
+        paged_kv_cache: Tensor | tuple[Tensor, Tensor],
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        k_scale=None,
+        v_scale=None,
+        window_left: int = -1,
+        logits_soft_cap: float | None = None,
+        sm_scale: float | None = None,
+        rope_scale: float | None = None,
+        rope_theta: float | None = None,
+        return_lse: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """FlashInfer's deprecated ``forward``: ``run`` with this call's causal / window / soft-cap /
+        scale in place of the plan's (FlashInfer keeps them for later runs too; here they hold for
+        this call)."""
+        p = self._forward_plan(
+            causal,
+            pos_encoding_mode,
+            use_fp16_qk_reduction,
+            window_left,
+            logits_soft_cap,
+            sm_scale,
+            (rope_scale, rope_theta),
+        )
+        k, v = self._unpack(paged_kv_cache)
+        return self._run(q, k, v, None, None, return_lse, None, k_scale, v_scale, None, None, p=p)
+
+    forward_return_lse = functools.partialmethod(forward, return_lse=True)
+
+    def workspace_size(self, *args, **kwargs):
+        """FlashInfer's ``workspace_size``: not implemented; ``plan``/``run`` name the bytes a
+        workspace lacks (``workspace_buffer: expected at least N bytes``)."""
+        raise NotImplementedError(
+            "pagedprefill does not implement FlashInfer's workspace_size; a run that needs more workspace "
+            "raises with the bytes it needs"
+        )
+
     def _unpack(self, cache) -> tuple[Tensor, Tensor]:
-        """(k, v) as (pages, Hkv, page_size, D) views."""
+        """(k, v) as (pages, Hkv, page_size, D) views (FlashInfer's squeezed page-size-1 forms too: a
+        tuple of 3-D tensors, or one 4-D tensor with K and V on dim 1)."""
+        squeeze_at = -3 if self._kv_layout == "NHD" else -2  # (where FlashInfer's page dim of 1 goes)
         if isinstance(cache, (tuple, list)) and len(cache) == 2:
-            k, v = cache
-        elif isinstance(cache, Tensor) and cache.dim() == 5:
+            k, v = (t.unsqueeze(squeeze_at) if isinstance(t, Tensor) and t.dim() == 3 else t for t in cache)
+        elif isinstance(cache, Tensor) and cache.dim() in (4, 5):
+            if cache.dim() == 4:
+                cache = cache.unsqueeze(squeeze_at)
             if cache.shape[1] != 2:
                 raise fail(
                     "paged_kv_cache", "a 5-D tensor with K and V on dim 1 (size 2)", f"shape {tuple(cache.shape)}"
                 )
             k, v = cache[:, 0], cache[:, 1]
         else:
-            raise fail("paged_kv_cache", "a (k_cache, v_cache) tuple or one 5-D tensor", type(cache).__name__)
+            raise fail("paged_kv_cache", "a (k_cache, v_cache) tuple or one 4-D / 5-D tensor", describe(cache))
         for name, t in (("paged_kv_cache (k)", k), ("paged_kv_cache (v)", v)):
             if not isinstance(t, Tensor) or t.dim() != 4:
                 raise fail(
@@ -493,7 +629,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
             token_pos_in_items_ptr=(token_pos_in_items_ptr, None),
             token_pos_in_items_len=(token_pos_in_items_len, 0),
             max_item_len_ptr=(max_item_len_ptr, None),
-            fixed_split_size=(fixed_split_size, None),
+            fixed_split_size=(None if fixed_split_size == -1 else fixed_split_size, None),  # (-1: off)
             disable_split_kv=(disable_split_kv, False),
             seq_lens=(seq_lens, None),
             seq_lens_q=(seq_lens_q, None),
@@ -543,7 +679,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
             backend=self._backend,
             **offs,
         )
-        self._window_plans = {}
+        self._variant_plans = {}
+        self._set_lse_rows(qo)
+
+    begin_forward = plan
 
     def run(
         self,
@@ -568,13 +707,63 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         if args:
             raise NotImplementedError("pagedprefill does not implement FlashInfer's extra positional run arguments")
         _refuse(
-            o_scale=(o_scale, None),
+            o_scale=(None if type(o_scale) in (int, float) and o_scale == 1 else o_scale, None),
             kv_cache_sf=(kv_cache_sf, None),
             enable_pdl=(enable_pdl, None) if enable_pdl else (None, None),
         )
         if self._kv_layout == "HND":
             k, v = k.transpose(0, 1), v.transpose(0, 1)
         return self._run(q, k, v, out, lse, return_lse, q_scale, k_scale, v_scale, window_left, sinks)
+
+    run_return_lse = functools.partialmethod(run, return_lse=True)
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        window_left: int = -1,
+        logits_soft_cap: float | None = None,
+        sm_scale: float | None = None,
+        rope_scale: float | None = None,
+        rope_theta: float | None = None,
+        return_lse: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """FlashInfer's deprecated ``forward``: ``run`` with this call's causal / window / soft-cap /
+        scale in place of the plan's (for this call only)."""
+        p = self._forward_plan(
+            causal,
+            pos_encoding_mode,
+            use_fp16_qk_reduction,
+            window_left,
+            logits_soft_cap,
+            sm_scale,
+            (rope_scale, rope_theta),
+        )
+        if self._kv_layout == "HND":
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
+        return self._run(q, k, v, None, None, return_lse, None, None, None, None, None, p=p)
+
+    forward_return_lse = functools.partialmethod(forward, return_lse=True)
+
+
+def _check_seq_lens(seq_lens, kv_host, indptr: Tensor, last: Tensor, page_size: int, max_kv) -> None:
+    """``seq_lens`` beside CSR pages must be the pages' KV lengths: compared on the host (read back
+    where FlashInfer reads them too: no ``max_sequence_kv``); device lengths with ``max_sequence_kv``
+    are not read (no host sync) and must match."""
+    if not isinstance(seq_lens, Tensor):
+        raise fail("seq_lens", "a (B,) integer tensor", type(seq_lens).__name__)
+    if seq_lens.device.type != "cpu" and max_kv is not None:
+        return
+    given = seq_lens.reshape(-1).tolist()
+    pages = kv_host if kv_host is not None else _csr_lens(indptr, last, page_size).tolist()
+    if given != pages:
+        raise fail(
+            "seq_lens", f"the KV lengths of the CSR pages {pages[:8]}{'...' if len(pages) > 8 else ''}", given[:8]
+        )
 
 
 def _csr_lens(indptr: Tensor, last: Tensor, page_size: int) -> Tensor:
