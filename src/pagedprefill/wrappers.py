@@ -46,6 +46,22 @@ from pagedprefill.prefill_plan import PrefillPlan
 __all__ = ["BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper"]
 
 LOG2E = 1.4426950408889634
+# plan arguments of FlashInfer's both wrappers that this library does not implement, and their defaults
+_UNPLANNED = dict(
+    custom_mask=None,
+    packed_custom_mask=None,
+    pos_encoding_mode="NONE",
+    use_fp16_qk_reduction=False,
+    rope_scale=None,
+    rope_theta=None,
+    prefix_len_ptr=None,
+    token_pos_in_items_ptr=None,
+    token_pos_in_items_len=0,
+    max_item_len_ptr=None,
+    fixed_split_size=None,
+    disable_split_kv=False,
+    seq_lens_q=None,
+)
 _OUR_BACKENDS = ("auto", "cudnn", "triton", "torch")
 
 
@@ -184,6 +200,56 @@ class _Wrapper:
                 )
             max_q, max_kv = self._bounds
         return max_q, max_kv
+
+    def _plan_args(self, args: dict, *also_refused: str) -> None:
+        """A ``plan`` call's arguments (its ``locals()``): those this library does not implement
+        (:data:`_UNPLANNED`, and ``also_refused``, whose default is None) refused unless at their
+        defaults, and its dtypes (``kv_data_type`` defaults to q's)."""
+        refused = {name: (args[name], default) for name, default in _UNPLANNED.items()}
+        refused.update({name: (args[name], None) for name in also_refused})
+        if args["fixed_split_size"] == -1:  # (FlashInfer's "off")
+            refused["fixed_split_size"] = (None, None)
+        _refuse(**refused)
+        q_dt = _dtype("q_data_type", args["q_data_type"])
+        kv_dt = _dtype("kv_data_type", args["kv_data_type"])
+        self._dtypes = (q_dt, kv_dt if kv_dt is not None else q_dt)
+
+    def _make_plan(
+        self,
+        qo_indptr,
+        heads: dict,
+        page_size,
+        lens_q,
+        max_q,
+        max_kv,
+        causal,
+        sm_scale,
+        window_left,
+        soft_cap,
+        o_dt,
+        **vecs,
+    ) -> None:
+        """The :class:`~pagedprefill.PrefillPlan` of a ``plan`` call (token offsets, FlashInfer's
+        default scale 1 / sqrt(head_dim_qk)), and what its runs need beside it."""
+        self._plan = api.plan(
+            self._workspace,
+            **heads,
+            page_size=page_size,
+            actual_seq_lens_q=lens_q,
+            max_token_per_sequence=max_q,
+            max_sequence_kv=max_kv,
+            causal=causal,
+            scale=sm_scale if sm_scale is not None else 1 / math.sqrt(heads["head_dim_qk"]),
+            window_left=window_left,
+            logits_soft_cap=soft_cap or 0.0,
+            batch_offsets_units="tokens",
+            o_data_type=_dtype("o_data_type", o_dt),
+            is_cuda_graph_compatible=self._use_cuda_graph,
+            backend=self._backend,
+            **vecs,
+        )
+        self._variant_plans = {}
+        self._set_lse_rows(qo_indptr)
 
     def _set_lse_rows(self, qo_indptr: Tensor) -> None:
         """The rows a run's LSE covers, for the base-2 conversion of a caller's buffer: known on the
@@ -360,24 +426,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
     ) -> None:
         """FlashInfer's ``plan``: CSR pages (``paged_kv_indptr`` (B+1,), ``paged_kv_indices``,
         ``paged_kv_last_page_len`` (B,)) or, like its cudnn backend, ``seq_lens`` + ``block_tables``."""
-        _refuse(
-            custom_mask=(custom_mask, None),
-            packed_custom_mask=(packed_custom_mask, None),
-            pos_encoding_mode=(pos_encoding_mode, "NONE"),
-            use_fp16_qk_reduction=(use_fp16_qk_reduction, False),
-            rope_scale=(rope_scale, None),
-            rope_theta=(rope_theta, None),
-            prefix_len_ptr=(prefix_len_ptr, None),
-            token_pos_in_items_ptr=(token_pos_in_items_ptr, None),
-            token_pos_in_items_len=(token_pos_in_items_len, 0),
-            max_item_len_ptr=(max_item_len_ptr, None),
-            fixed_split_size=(None if fixed_split_size == -1 else fixed_split_size, None),  # (-1: off)
-            disable_split_kv=(disable_split_kv, False),
-            seq_lens_q=(seq_lens_q, None),
-        )
-        self._dtypes = (_dtype("q_data_type", q_data_type), _dtype("kv_data_type", kv_data_type))
-        if self._dtypes[1] is None:
-            self._dtypes = (self._dtypes[0], self._dtypes[0])
+        self._plan_args(locals())
         qo_indptr = normalise.vector("qo_indptr", qo_indptr, None, self._workspace.device, False)
         lens_q = qo_indptr[1:] - qo_indptr[:-1]
         kv = {}
@@ -417,30 +466,24 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
                     kv_indices=self._graph_vector("paged_kv_indices", kv["kv_indices"]),
                     kv_last_page_len=self._graph_vector("paged_kv_last_page_len", kv["kv_last_page_len"]),
                 )
-        self._plan = api.plan(
-            self._workspace,
-            num_qo_heads=num_qo_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim_qk=head_dim_qk,
-            head_dim_vo=head_dim_vo,
-            page_size=page_size,
-            actual_seq_lens_q=lens_q,
-            max_token_per_sequence=max_q,
-            max_sequence_kv=max_kv,
-            causal=causal,
-            scale=sm_scale if sm_scale is not None else 1 / math.sqrt(head_dim_qk),
-            window_left=window_left,
-            logits_soft_cap=logits_soft_cap or 0.0,
+        self._make_plan(
+            qo_indptr,
+            dict(
+                num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo
+            ),
+            page_size,
+            lens_q,
+            max_q,
+            max_kv,
+            causal,
+            sm_scale,
+            window_left,
+            logits_soft_cap,
+            o_data_type,
             batch_offsets_q=qo_indptr,
             batch_offsets_stats=qo_indptr,
-            batch_offsets_units="tokens",
-            o_data_type=_dtype("o_data_type", o_data_type),
-            is_cuda_graph_compatible=self._use_cuda_graph,
-            backend=self._backend,
             **kv,
         )
-        self._variant_plans = {}
-        self._set_lse_rows(qo_indptr)
 
     begin_forward = plan
 
@@ -618,25 +661,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
     ) -> None:
         """FlashInfer's ``plan``: ``qo_indptr`` and ``kv_indptr`` (B+1,) token offsets of each sequence
         (``v_indptr`` / ``o_indptr`` when V / out rows start elsewhere)."""
-        _refuse(
-            custom_mask=(custom_mask, None),
-            packed_custom_mask=(packed_custom_mask, None),
-            pos_encoding_mode=(pos_encoding_mode, "NONE"),
-            use_fp16_qk_reduction=(use_fp16_qk_reduction, False),
-            rope_scale=(rope_scale, None),
-            rope_theta=(rope_theta, None),
-            prefix_len_ptr=(prefix_len_ptr, None),
-            token_pos_in_items_ptr=(token_pos_in_items_ptr, None),
-            token_pos_in_items_len=(token_pos_in_items_len, 0),
-            max_item_len_ptr=(max_item_len_ptr, None),
-            fixed_split_size=(None if fixed_split_size == -1 else fixed_split_size, None),  # (-1: off)
-            disable_split_kv=(disable_split_kv, False),
-            seq_lens=(seq_lens, None),
-            seq_lens_q=(seq_lens_q, None),
-        )
-        self._dtypes = (_dtype("q_data_type", q_data_type), _dtype("kv_data_type", kv_data_type))
-        if self._dtypes[1] is None:
-            self._dtypes = (self._dtypes[0], self._dtypes[0])
+        self._plan_args(locals(), "seq_lens")
         dev = self._workspace.device
         qo = normalise.vector("qo_indptr", qo_indptr, None, dev, False)
         kvp = normalise.vector("kv_indptr", kv_indptr, qo.shape[0], dev, False)
@@ -658,29 +683,23 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
             offs.update(batch_offsets_q=qo, batch_offsets_k=kvp, batch_offsets_stats=qo)
             offs["batch_offsets_o"] = qo if o_indptr is None else offs["batch_offsets_o"]
             offs["batch_offsets_v"] = kvp if v_indptr is None else offs["batch_offsets_v"]
-        self._plan = api.plan(
-            self._workspace,
-            num_qo_heads=num_qo_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim_qk=head_dim_qk,
-            head_dim_vo=head_dim_vo,
-            page_size=0,
-            actual_seq_lens_q=lens_q,
+        self._make_plan(
+            qo,
+            dict(
+                num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo
+            ),
+            0,
+            lens_q,
+            max_q,
+            max_kv,
+            causal,
+            sm_scale,
+            window_left,
+            logits_soft_cap,
+            o_data_type,
             actual_seq_lens_kv=lens_kv,
-            max_token_per_sequence=max_q,
-            max_sequence_kv=max_kv,
-            causal=causal,
-            scale=sm_scale if sm_scale is not None else 1 / math.sqrt(head_dim_qk),
-            window_left=window_left,
-            logits_soft_cap=logits_soft_cap or 0.0,
-            batch_offsets_units="tokens",
-            o_data_type=_dtype("o_data_type", o_data_type),
-            is_cuda_graph_compatible=self._use_cuda_graph,
-            backend=self._backend,
             **offs,
         )
-        self._variant_plans = {}
-        self._set_lse_rows(qo)
 
     begin_forward = plan
 
