@@ -369,6 +369,7 @@ def test_gpu_cuda_graph_wrapper_replays_after_replan():
     k = torch.empty(total_pages, 2, 16, 128, dtype=BF16, device="cuda")
     v = torch.empty_like(k)
     out = torch.empty(rows, 8, 128, dtype=BF16, device="cuda")
+    lse = torch.empty(rows, 8, dtype=torch.float32, device="cuda")
 
     def load(c):
         indptr, indices, last = _csr(c)
@@ -391,16 +392,20 @@ def test_gpu_cuda_graph_wrapper_replays_after_replan():
         k[: kw["k_cache"].shape[0]].copy_(kw["k_cache"])
         v[: kw["v_cache"].shape[0]].copy_(kw["v_cache"])
         out.fill_(float("nan"))
+        lse.fill_(float("nan"))
 
     load(cases[0])
-    w.run(q, (k, v), out=out)
+    w.run(q, (k, v), out=out, lse=lse, return_lse=True)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        w.run(q, (k, v), out=out)
+        w.run(q, (k, v), out=out, lse=lse, return_lse=True)
     for c in cases[1:] + cases[:1]:
         load(c)
         graph.replay()
         torch.cuda.synchronize()
         rows = sum(c.lens_q)
         check(c, out[:rows].clone(), None, atol=atol_for(BF16))
+        # (the base-2 scaling reads the rows it covers from the refilled indptr: the rest stay NaN)
+        torch.testing.assert_close(lse[:rows].double().cpu() * math.log(2), _ref_lse_rows(c), atol=2e-2, rtol=0)
+        assert torch.isnan(lse[rows:]).all()
