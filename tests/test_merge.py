@@ -171,3 +171,22 @@ def test_torch_path_without_triton_matches_float64(monkeypatch, base):
     out, lse = pagedprefill.merge_states(torch.stack(vs, 1), torch.stack(ss, 1), lse_base=base)
     ref_o, ref_l = _ref(vs, ss, base2=base == 2)
     torch.testing.assert_close(out.double().cpu(), ref_o.cpu(), atol=1e-5, rtol=1e-5)
+
+
+def test_flashinfer_merge_state_in_place():
+    """FlashInfer's in-place merge (base 2): all rows, or the masked ones alone (the rest untouched)."""
+    from pagedprefill import flashinfer
+
+    vs, ss = _states(2, dtype=torch.float16, seed=7)
+    ref_o, ref_l = _ref(vs, ss, base2=True)
+    v, s = vs[0].clone(), ss[0].clone()
+    flashinfer.merge_state_in_place(v, s, vs[1], ss[1])
+    torch.testing.assert_close(v.double().cpu(), ref_o.cpu(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(s.double().cpu(), ref_l.cpu(), atol=1e-5, rtol=1e-5)
+    mask = torch.arange(v.shape[0], device=DEVICE) % 3 == 0
+    v, s = vs[0].clone(), ss[0].clone()
+    flashinfer.merge_state_in_place(v, s, vs[1], ss[1], mask=mask)
+    torch.testing.assert_close(v[mask].double().cpu(), ref_o[mask.cpu()].cpu(), atol=1e-2, rtol=1e-2)
+    assert torch.equal(v[~mask], vs[0][~mask]) and torch.equal(s[~mask], ss[0][~mask])
+    with pytest.raises(ValueError, match="^mask: expected a bool tensor"):
+        flashinfer.merge_state_in_place(v, s, vs[1], ss[1], mask=mask.int())
