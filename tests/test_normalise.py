@@ -617,6 +617,26 @@ def test_max_values_as_scalar_tensors():
     check(case, out, lse, atol=2e-5)
 
 
+def test_numpy_scalars_for_max_values_and_scale():
+    """Lengths and scales computed with numpy (np.int64 maxima, an np.float32 scale) are taken as
+    their Python values, and such calls reach the one-shot cache like Python-typed ones."""
+    np = pytest.importorskip("numpy")
+    from pagedprefill import plan_cache
+
+    case = base_case(bits=False)
+    kw = with_(
+        case.kwargs,
+        max_token_per_sequence=np.int64(case.kwargs["max_token_per_sequence"]),
+        max_sequence_kv=np.int32(case.kwargs["max_sequence_kv"]),
+        scale=np.float32(case.kwargs["scale"]),
+    )
+    plan_cache.clear()
+    for _ in range(2):
+        out, lse = cudnn_batch_prefill_with_kv_cache(**kw, backend="torch")
+        check(case, out, lse, atol=2e-5)
+    assert len(plan_cache._PLANS) == 1
+
+
 def test_int64_block_table():
     case = base_case(bits=False)
     kw = with_(case.kwargs, block_tables=case.kwargs["block_tables"].long())

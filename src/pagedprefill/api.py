@@ -24,7 +24,13 @@ __all__ = [
     "plan",
 ]
 
-_SCALAR_TYPES = (bool, int, float, str, type(None), torch.dtype)
+_SCALAR_TYPES: tuple = (bool, int, float, str, type(None), torch.dtype)
+try:  # (numpy's scalars, as lengths and scales computed with numpy arrive: their calls are cached too)
+    import numpy as _np
+
+    _SCALAR_TYPES += (_np.int32, _np.int64, _np.float32, _np.float64)
+except ImportError:
+    pass
 
 
 def cudnn_batch_prefill_with_kv_cache(

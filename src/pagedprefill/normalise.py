@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -132,8 +133,9 @@ def scale_tensor(name: str, s: object, device: torch.device, graph_mode: bool) -
 def int_arg(name: str, x: object, minimum: int) -> int:
     if isinstance(x, Tensor) and x.numel() == 1 and not x.dtype.is_floating_point and x.device.type == "cpu":
         x = int(x.item())
-    if isinstance(x, bool) or not isinstance(x, int):
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):  # (numpy's integers too)
         raise fail(name, "a Python int", type(x).__name__)
+    x = int(x)
     if x < minimum:
         raise fail(name, f"an int >= {minimum}", x)
     return x
@@ -146,8 +148,9 @@ def bool_arg(name: str, x: object) -> bool:
 
 
 def scale_arg(scale: object) -> float:
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):  # (numpy's floats too)
         raise fail("scale", "a Python float (the softmax scale, e.g. 1/sqrt(head_dim))", type(scale).__name__)
+    scale = float(scale)
     if not math.isfinite(scale) or abs(scale) > MAX_SCALE:
         raise fail("scale", "a finite float with |scale| <= 2^32 (typical: 1/sqrt(head_dim))", scale)
     return float(scale)
