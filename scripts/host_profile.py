@@ -139,6 +139,53 @@ def breakdown(name: str, p, lb) -> None:
     be.run = real
 
 
+def one_shot_breakdown(name: str, lb, backend: str) -> None:
+    """The one-shot call's host time cut into its parts: the whole call, its cache key, the cache
+    lookup, the per-call device vectors, and the cached plan's execute alone (the parts it shares
+    with plan.run)."""
+    from pagedprefill import api, plan_cache
+
+    kw = {**lb.layer_kwargs(0), "backend": backend}
+    call = lambda: api.cudnn_batch_prefill_with_kv_cache(**kw)  # noqa: E731
+    call()
+    offsets = tuple(kw.get(f"batch_offsets_{n}") for n in ("q", "o", "k", "v", "stats"))
+    scales = (kw.get("q_scale"), kw.get("k_scale"), kw.get("v_scale"))
+    scalars = (
+        kw["scale"],
+        kw["max_token_per_sequence"],
+        kw["max_sequence_kv"],
+        kw["causal"],
+        kw["return_lse"],
+        kw.get("batch_offsets_units", "elements"),
+        kw.get("is_cuda_graph_compatible", False),
+        backend,
+        kw.get("o_data_type"),
+        kw.get("window_left", -1),
+        kw.get("logits_soft_cap", 0.0),
+    )
+    tensors = tuple(
+        kw.get(n) for n in ("q", "k_cache", "v_cache", "out", "lse", "workspace_buffer", "block_tables", "sinks")
+    )
+    vectors = (kw.get("actual_seq_lens_q"), kw.get("actual_seq_lens_kv"), *offsets)
+    key = plan_cache.signature(tensors, vectors, scales, scalars)
+    hit = plan_cache.get(key)
+    print(f"  {name} one-shot cache {'hit' if hit is not None else 'MISS (every call takes the full path)'}")
+    rows = {"one-shot call": call, "signature()": lambda: plan_cache.signature(tensors, vectors, scales, scalars)}
+    rows["cache get"] = lambda: plan_cache.get(key)
+    if hit is not None:
+        p, lp = hit
+        ws = kw["workspace_buffer"].view(-1).view(torch.uint8)
+        if p.seq.host is None:
+            rows["_call_vectors"] = lambda: api._call_vectors(p.vectors, vectors[0], vectors[1], offsets)
+            vecs = api._call_vectors(p.vectors, vectors[0], vectors[1], offsets)
+        else:
+            vecs = None
+        args = (lp, kw["q"], kw["k_cache"], kw["v_cache"], kw["out"], kw.get("lse"), scales, None, ws)
+        rows["execute"] = lambda: p.execute(*args, kw.get("block_tables"), vecs)
+    for label, fn in rows.items():
+        print(f"  {name} {label:24s} {burst_us(fn):7.2f} µs")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -168,6 +215,7 @@ def main() -> None:
 
             if be in ("triton", "cudnn"):
                 breakdown(f"{cname} {be}", p, lb)
+                one_shot_breakdown(f"{cname} {be}", lb, be)
             profile(f"{cname} {be} plan.run", plan_step, n, a.reps, a.out)
             profile(f"{cname} {be} one-shot", one_shot, n, a.reps, a.out)
 
