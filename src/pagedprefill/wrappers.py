@@ -214,36 +214,26 @@ class _Wrapper:
         kv_dt = _dtype("kv_data_type", args["kv_data_type"])
         self._dtypes = (q_dt, kv_dt if kv_dt is not None else q_dt)
 
-    def _make_plan(
-        self,
-        qo_indptr,
-        heads: dict,
-        page_size,
-        lens_q,
-        max_q,
-        max_kv,
-        causal,
-        sm_scale,
-        window_left,
-        soft_cap,
-        o_dt,
-        **vecs,
-    ) -> None:
-        """The :class:`~pagedprefill.PrefillPlan` of a ``plan`` call (token offsets, FlashInfer's
-        default scale 1 / sqrt(head_dim_qk)), and what its runs need beside it."""
+    def _make_plan(self, args: dict, qo_indptr, page_size, lens_q, max_q, max_kv, **vecs) -> None:
+        """The :class:`~pagedprefill.PrefillPlan` of a ``plan`` call (``args``: its ``locals()``; token
+        offsets, FlashInfer's default scale 1 / sqrt(head_dim_qk)), and what its runs need beside it."""
+        sm_scale = args["sm_scale"]
         self._plan = api.plan(
             self._workspace,
-            **heads,
+            num_qo_heads=args["num_qo_heads"],
+            num_kv_heads=args["num_kv_heads"],
+            head_dim_qk=args["head_dim_qk"],
+            head_dim_vo=args["head_dim_vo"],
             page_size=page_size,
             actual_seq_lens_q=lens_q,
             max_token_per_sequence=max_q,
             max_sequence_kv=max_kv,
-            causal=causal,
-            scale=sm_scale if sm_scale is not None else 1 / math.sqrt(heads["head_dim_qk"]),
-            window_left=window_left,
-            logits_soft_cap=soft_cap or 0.0,
+            causal=args["causal"],
+            scale=sm_scale if sm_scale is not None else 1 / math.sqrt(args["head_dim_qk"]),
+            window_left=args["window_left"],
+            logits_soft_cap=args["logits_soft_cap"] or 0.0,
             batch_offsets_units="tokens",
-            o_data_type=_dtype("o_data_type", o_dt),
+            o_data_type=_dtype("o_data_type", args["o_data_type"]),
             is_cuda_graph_compatible=self._use_cuda_graph,
             backend=self._backend,
             **vecs,
@@ -278,18 +268,20 @@ class _Wrapper:
             )
         return p
 
-    def _forward_plan(self, causal, pos_encoding_mode, use_fp16_qk_reduction, window_left, soft_cap, sm_scale, rope):
-        """The plan a deprecated ``forward(...)`` call runs: its arguments replace the plan's."""
+    def _forward_plan(self, args: dict) -> PrefillPlan:
+        """The plan a deprecated ``forward(...)`` call runs (``args``: its ``locals()``): its causal,
+        window, soft-cap and scale replace the plan's."""
         _refuse(
-            pos_encoding_mode=(pos_encoding_mode, "NONE"),
-            use_fp16_qk_reduction=(use_fp16_qk_reduction, False),
-            rope_scale=(rope[0], None),
-            rope_theta=(rope[1], None),
+            pos_encoding_mode=(args["pos_encoding_mode"], "NONE"),
+            use_fp16_qk_reduction=(args["use_fp16_qk_reduction"], False),
+            rope_scale=(args["rope_scale"], None),
+            rope_theta=(args["rope_theta"], None),
         )
-        window_left, soft_cap = normalise.variant_args(window_left, soft_cap)
+        window_left, soft_cap = normalise.variant_args(args["window_left"], args["logits_soft_cap"])
         seq = self.plan_object.seq
+        sm_scale = args["sm_scale"]
         scale = normalise.scale_arg(sm_scale) if sm_scale is not None else 1 / math.sqrt(seq.head_dim_qk)
-        causal = normalise.bool_arg("causal", causal)
+        causal = normalise.bool_arg("causal", args["causal"])
         return self._variant(causal=causal, window_left=window_left, logits_soft_cap=soft_cap, scale=scale)
 
     def _run(
@@ -467,19 +459,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
                     kv_last_page_len=self._graph_vector("paged_kv_last_page_len", kv["kv_last_page_len"]),
                 )
         self._make_plan(
+            locals(),
             qo_indptr,
-            dict(
-                num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo
-            ),
             page_size,
             lens_q,
             max_q,
             max_kv,
-            causal,
-            sm_scale,
-            window_left,
-            logits_soft_cap,
-            o_data_type,
             batch_offsets_q=qo_indptr,
             batch_offsets_stats=qo_indptr,
             **kv,
@@ -543,15 +528,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         """FlashInfer's deprecated ``forward``: ``run`` with this call's causal / window / soft-cap /
         scale in place of the plan's (FlashInfer keeps them for later runs too; here they hold for
         this call)."""
-        p = self._forward_plan(
-            causal,
-            pos_encoding_mode,
-            use_fp16_qk_reduction,
-            window_left,
-            logits_soft_cap,
-            sm_scale,
-            (rope_scale, rope_theta),
-        )
+        p = self._forward_plan(locals())
         k, v = self._unpack(paged_kv_cache)
         return self._run(q, k, v, None, None, return_lse, None, k_scale, v_scale, None, None, p=p)
 
@@ -683,23 +660,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
             offs.update(batch_offsets_q=qo, batch_offsets_k=kvp, batch_offsets_stats=qo)
             offs["batch_offsets_o"] = qo if o_indptr is None else offs["batch_offsets_o"]
             offs["batch_offsets_v"] = kvp if v_indptr is None else offs["batch_offsets_v"]
-        self._make_plan(
-            qo,
-            dict(
-                num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo
-            ),
-            0,
-            lens_q,
-            max_q,
-            max_kv,
-            causal,
-            sm_scale,
-            window_left,
-            logits_soft_cap,
-            o_data_type,
-            actual_seq_lens_kv=lens_kv,
-            **offs,
-        )
+        self._make_plan(locals(), qo, 0, lens_q, max_q, max_kv, actual_seq_lens_kv=lens_kv, **offs)
 
     begin_forward = plan
 
@@ -753,15 +714,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
     ) -> Tensor | tuple[Tensor, Tensor]:
         """FlashInfer's deprecated ``forward``: ``run`` with this call's causal / window / soft-cap /
         scale in place of the plan's (for this call only)."""
-        p = self._forward_plan(
-            causal,
-            pos_encoding_mode,
-            use_fp16_qk_reduction,
-            window_left,
-            logits_soft_cap,
-            sm_scale,
-            (rope_scale, rope_theta),
-        )
+        p = self._forward_plan(locals())
         if self._kv_layout == "HND":
             k, v = k.transpose(0, 1), v.transpose(0, 1)
         return self._run(q, k, v, None, None, return_lse, None, None, None, None, None, p=p)
