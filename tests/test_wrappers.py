@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -259,6 +260,70 @@ def test_ragged_run_takes_an_o_scale_of_one():
     check(case, w.forward(kw["q"], kw["k_cache"], kw["v_cache"], causal=kw["causal"]), None, atol=2e-5)
     with pytest.raises(NotImplementedError, match="o_scale"):
         w.run(kw["q"], kw["k_cache"], kw["v_cache"], o_scale=2.0)
+
+
+@pytest.mark.parametrize("seed", range(700, 716))
+def test_wrappers_random_grid(seed):
+    """Random batches through both wrappers against the oracle: page sizes 1-16 with partial last
+    pages in shuffled CSR pages, both KV layouts, GQA 1-7, head dims 32-128 (Dqk != Dvo too), causal
+    or not, windows, soft-caps, empty sequences, LSE in base 2, a caller's out and lse buffers."""
+    r = random.Random(seed)
+    b = r.randint(1, 5)
+    lens_q = [r.choice([0, 1, 3, 7, 16, 33]) for _ in range(b)]
+    lens_kv = [q + r.choice([0, 0, 5, 19, 40]) for q in lens_q]
+    hkv = r.choice([1, 2])
+    hq = hkv * r.choice([1, 2, 3, 5, 7])
+    dqk = r.choice([32, 64, 128])
+    dvo = r.choice([dqk, 32]) if dqk > 32 else dqk
+    paged = seed % 4 != 3
+    page = r.choice([1, 3, 4, 16]) if paged else 0
+    layout = r.choice(["nhd", "hnd"])
+    variants = {}
+    if seed % 3 == 0:
+        variants["window_left"] = r.choice([0, 5, 30])
+    if seed % 5 == 1:
+        variants["logits_soft_cap"] = 20.0
+    case = make_case(
+        seed,
+        lens_q=lens_q,
+        lens_kv=lens_kv,
+        hq=hq,
+        hkv=hkv,
+        dqk=dqk,
+        dvo=dvo,
+        page_size=page,
+        kv_layout=layout,
+        causal=seed % 2 == 0,
+        return_lse=False,
+        with_out=False,
+        device=DEVICE,
+        **variants,
+    )
+    kw = case.kwargs
+    k, v = kw["k_cache"], kw["v_cache"]
+    kv_layout = "NHD" if layout == "nhd" else "HND"
+    rows = sum(lens_q)
+    common = dict(causal=kw["causal"], sm_scale=kw["scale"], q_data_type=F32, **variants)
+    if paged:
+        indptr, indices, last = _csr_page1(case)
+        w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(kw["workspace_buffer"], kv_layout)
+        w.plan(_qo_indptr(case), indptr, indices, last, hq, hkv, dqk, page, head_dim_vo=dvo, **common)
+        cache = (k, v) if kv_layout == "HND" else (k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3))
+        run = lambda **o: w.run(kw["q"][:rows], cache, **o)  # noqa: E731
+    else:
+        kv_indptr = torch.tensor([0, *torch.tensor(lens_kv).cumsum(0).tolist()], dtype=torch.int32)
+        w = pagedprefill.BatchPrefillWithRaggedKVCacheWrapper(kw["workspace_buffer"], kv_layout)
+        w.plan(_qo_indptr(case), kv_indptr, hq, hkv, dqk, head_dim_vo=dvo, **common)
+        if kv_layout == "HND":
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
+        run = lambda **o: w.run(kw["q"][:rows], k, v, **o)  # noqa: E731
+    out = torch.full((rows, hq, dvo), float("nan"), device=DEVICE)
+    lse = torch.full((rows, hq), float("nan"), device=DEVICE)
+    got, got_lse = run(out=out, lse=lse, return_lse=True)
+    assert got is out and got_lse is lse
+    check(case, out, None, atol=2e-5)
+    if rows:
+        torch.testing.assert_close(lse.double().cpu() * math.log(2), _ref_lse_rows(case), atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize(
