@@ -33,10 +33,11 @@ def _case(seed=1, page_size=4, dtype=F32, **kw):
     return make_case(seed, **{**base, **kw})
 
 
-def _csr(case):
+def _csr(case, partial: bool = True):
+    """The case's pages as int32 CSR tensors; ``partial``: the case must have partial last pages."""
     indptr, indices, last = csr_pages(case)
     ps = case.kwargs["k_cache"].shape[2]
-    assert any(x not in (0, ps) for x in last), "the case should have partial last pages"
+    assert not partial or any(x not in (0, ps) for x in last), "the case should have partial last pages"
     i32 = dict(dtype=torch.int32)
     return torch.tensor(indptr, **i32), torch.tensor(indices, **i32).to(DEVICE), torch.tensor(last, **i32)
 
@@ -145,17 +146,11 @@ def test_window_override_at_run():
 
 def _paged_wrapper(case, kv_layout="HND", **plan_kw):
     kw = case.kwargs
-    indptr, indices, last = _csr(case) if kw["k_cache"].shape[2] > 1 else _csr_page1(case)
+    indptr, indices, last = _csr(case, partial=kw["k_cache"].shape[2] > 1)
     w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(kw["workspace_buffer"], kv_layout)
     ps = kw["k_cache"].shape[2]
     w.plan(_qo_indptr(case), indptr, indices, last, 6, 2, 32, ps, q_data_type=F32, causal=kw["causal"], **plan_kw)
     return w
-
-
-def _csr_page1(case):
-    indptr, indices, last = csr_pages(case)
-    i32 = dict(dtype=torch.int32)
-    return torch.tensor(indptr, **i32), torch.tensor(indices, **i32).to(DEVICE), torch.tensor(last, **i32)
 
 
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
@@ -305,7 +300,7 @@ def test_wrappers_random_grid(seed):
     rows = sum(lens_q)
     common = dict(causal=kw["causal"], sm_scale=kw["scale"], q_data_type=F32, **variants)
     if paged:
-        indptr, indices, last = _csr_page1(case)
+        indptr, indices, last = _csr(case, partial=False)
         w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(kw["workspace_buffer"], kv_layout)
         w.plan(_qo_indptr(case), indptr, indices, last, hq, hkv, dqk, page, head_dim_vo=dvo, **common)
         cache = (k, v) if kv_layout == "HND" else (k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3))
