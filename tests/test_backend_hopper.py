@@ -206,6 +206,8 @@ def test_fp8_qkv_staging_holds_v_only():
                 cfg = hp.config(batch)
             n, n8 = hp.stages(batch, cfg), hp.staging_slots(batch, cfg)
             assert n8 in (2, 3) and n >= 3, (dqk, knobs, n, n8)
+            if not knobs:  # (half the bytes a tile of 16-bit data takes: the deeper ring fits)
+                assert cfg.stages == n == hp.F8_STAGES, (dqk, cfg.stages, n)
             used = cfg.BLOCK_M * dqk + n * cfg.BLOCK_N * 2 * dqk + n8 * cfg.BLOCK_N * dqk
             assert used <= hp.SMEM_BYTES, (dqk, knobs)
             assert hp.o_stage_mode(batch, True) == 0  # (out is bf16: O goes out from its accumulator)
