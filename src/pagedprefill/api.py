@@ -270,8 +270,10 @@ def _plan_owned(vectors: DeviceVectors | None, given: tuple) -> DeviceVectors | 
 def _call_vectors(planned: DeviceVectors, lens_q, lens_kv, offsets) -> DeviceVectors:
     """This call's device lengths / offsets (a CPU one among them: the plan's device copy of it)."""
 
-    def pick(t, mine):
-        return mine if t is None or t.device.type == "cpu" else t.reshape(-1)  # (mine: the plan's copy)
+    def pick(t, mine):  # (mine: the plan's copy; a 1-D tensor as it is: reshape would make a new view)
+        if t is None or t.device.type == "cpu":
+            return mine
+        return t if t.dim() == 1 else t.reshape(-1)
 
     offs = {}
     for name, t in zip(normalise.OFFSET_NAMES, offsets):
