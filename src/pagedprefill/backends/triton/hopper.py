@@ -71,6 +71,9 @@ NARROW = {"consumers": 2, "consumer_regs": 224}
 # 8-bit q, K and V: tiles are half the bytes, so the ring holds eight where shared memory allows (+2% on
 # 8k prompts at D 128 and on D 64, two rounds each; with 16-bit q, fp8 K/V and D 64 bf16 read level)
 F8_STAGES = 8
+# D 96 with 16-bit K/V: a 64-key stage is 24 KiB, so six fit beside Q (+1.8% on d96_mha_b4_q4k, two
+# rounds against five)
+D96_STAGES = 6
 # a `consumers` knob without `consumer_regs` takes the register split of the config with that many
 CONSUMER_REGS = {DEFAULT.consumers: DEFAULT.consumer_regs, NARROW["consumers"]: NARROW["consumer_regs"]}
 KNOBS = tuple(f.name for f in fields(Config)) + ("wide",)
@@ -141,9 +144,9 @@ def prefers_narrow(batch: PrefillBatch) -> bool:
 
 def config(batch: PrefillBatch) -> Config:
     """``DEFAULT``, with ``WIDE`` where :func:`prefers_wide` says so (``NARROW`` where
-    :func:`prefers_narrow` does, unless a ``wide`` knob is set), ``F8_STAGES`` ring stages with 8-bit q,
-    and static rounds (``dynamic=0``) for short prompts (``max_q <= 1024``) and chunked prefill
-    (``max_kv >= 4 max_q``); then any tuning override (``tuning.override("hopper", stages=4, wide=1,
+    :func:`prefers_narrow` does, unless a ``wide`` knob is set), ``F8_STAGES`` ring stages with 8-bit q
+    (``D96_STAGES`` at D 96), and static rounds (``dynamic=0``) for short prompts (``max_q <= 1024``)
+    and chunked prefill (``max_kv >= 4 max_q``); then any tuning override (``tuning.override("hopper", stages=4, wide=1,
     ...)``; a ``consumers`` knob alone takes ``CONSUMER_REGS`` registers); last, chunks of
     ``DYNAMIC_CHUNK`` pairs off the work counter unless a ``chunk`` knob is set."""
     over = dict(tuning.knobs("hopper"))
@@ -159,6 +162,8 @@ def config(batch: PrefillBatch) -> Config:
             base = replace(DEFAULT, **NARROW)
     if batch.fp8_q:
         base = replace(base, stages=F8_STAGES)
+    elif (batch.head_dim_qk, batch.head_dim_vo) == (96, 96) and not batch.fp8_kv:
+        base = replace(base, stages=D96_STAGES)
     if batch.work_q <= 1024 or batch.work_kv >= 4 * batch.work_q:
         base = replace(base, dynamic=0)
     if "consumers" in over and "consumer_regs" not in over and over["consumers"] in CONSUMER_REGS:
