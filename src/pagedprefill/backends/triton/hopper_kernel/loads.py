@@ -430,12 +430,11 @@ def _load_partition(
                 v_empty_phase = (((c + i) // STAGES) & 1) ^ 1
                 if (t + 1) * BLOCK_N <= w.kv_len:
                     mbarrier.expect(ring.full.index(s), 2 * BLOCK_N * (DQ0 + DQ1))
-                    _tma_tile(ring, s, ring.full.index(s), src, w, t, k_desc, k1_desc, v_desc, v1_desc, geo, True, False)
+                    descs = (k_desc, k1_desc, v_desc, v1_desc)
+                    _tma_tile(ring, s, ring.full.index(s), src, w, t, *descs, geo, True, False)
                     mbarrier.wait(ring.empty.index(STAGES + s), v_empty_phase)
                     mbarrier.expect(ring.full.index(STAGES + s), 2 * BLOCK_N * geo.DVO)
-                    _tma_tile(
-                        ring, s, ring.full.index(STAGES + s), src, w, t, k_desc, k1_desc, v_desc, v1_desc, geo, False, True
-                    )
+                    _tma_tile(ring, s, ring.full.index(STAGES + s), src, w, t, *descs, geo, False, True)
                 else:
                     mbarrier.wait(ring.empty.index(STAGES + s), v_empty_phase)
                     src.gather(
