@@ -48,6 +48,8 @@ class Config:
     # snake-ordered rounds: faster on varlen, 4k prompts, D 64 and MLA; slower on chunked prefill and
     # 1k prompts, where static rounds keep the programs that share K/V in step (L2 hits)
     dynamic: int = 1
+    # 1: K and V of a stage on their own barriers, K released after its QK GEMM (16-bit K/V by TMA)
+    split: int = 0
 
     @property
     def BLOCK_M(self) -> int:
@@ -193,6 +195,8 @@ def config(batch: PrefillBatch) -> Config:
         why = f"chunk must be >= 0 (0: all pairs in one chunk), got {cfg.chunk}"
     elif cfg.dynamic not in (0, 1):
         why = f"dynamic must be 0 or 1, got {cfg.dynamic}"
+    elif cfg.split not in (0, 1):
+        why = f"split must be 0 or 1, got {cfg.split}"
     elif _ring_stages(batch, cfg, _staging_bytes(batch, cfg)) < 2:
         why = f"Q ({cfg.BLOCK_M} rows), two K/V stages of {cfg.BLOCK_N} keys and the fp8 staging exceed shared memory"
     if why:
@@ -392,6 +396,7 @@ class HopperPlan:
                 Q_SCALED=batch.q_scaled,
                 K_SCALED=batch.k_scaled,
                 V_SCALED=batch.v_scaled,
+                SPLIT=bool(cfg.split) and tma is not None and not (batch.fp8_kv or batch.fp8_q),
                 num_warps=4,
             )
         return got

@@ -191,6 +191,17 @@ def _prep_q(q_sub, q1_sub, f_buf, sign, geo: Geometry):
 
 
 @gluon.jit
+def _skip_tile(ring: KVRing, u, geo: Geometry):
+    """Release the program's u-th key tile unread (in ring order, so that the phases stay in step)."""
+    STAGES: gl.constexpr = geo.STAGES
+    mbarrier.wait(ring.full.index(u % STAGES), (u // STAGES) & 1)
+    mbarrier.arrive(ring.empty.index(u % STAGES))
+    if geo.SPLIT:
+        mbarrier.wait(ring.full.index(STAGES + u % STAGES), (u // STAGES) & 1)
+        mbarrier.arrive(ring.empty.index(STAGES + u % STAGES))
+
+
+@gluon.jit
 def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSink, R0: gl.constexpr, geo: Geometry):
     """One consumer warpgroup: rows [row0 + R0, row0 + R0 + SUB_M) of each work item's block."""
     GROUP: gl.constexpr = geo.GROUP
@@ -304,8 +315,7 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
             t_own = gl.maximum(t_own, t_lo)
             n_walk = gl.maximum(n_walk, t_own)
             for t in range(t_lo, t_own):
-                mbarrier.wait(ring.full.index((c + t - t_lo) % STAGES), ((c + t - t_lo) // STAGES) & 1)
-                mbarrier.arrive(ring.empty.index((c + t - t_lo) % STAGES))
+                _skip_tile(ring, c + t - t_lo, geo)
         else:
             t_lo = 0
             t_own = 0
@@ -322,6 +332,8 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
             fence_async_shared()
             s_tok = _qk_async(qg_sub, qg1_sub, ring.k.index(s0), ring.k1.index(s0), s_zero, DQ1)
             sc = warpgroup_mma_wait(0, deps=[s_tok])
+            if geo.SPLIT:
+                mbarrier.arrive(ring.empty.index(s0))
             if Q_EARLY:
                 if n_walk == t_own + 1:
                     mbarrier.arrive(slots.empty)
@@ -352,6 +364,8 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
                 acc = _rescale(acc, alpha)
                 if DV1 > 0:
                     acc1 = _rescale(acc1, alpha1)
+            if geo.SPLIT:
+                mbarrier.wait(ring.full.index(STAGES + prev), ((c + t - t_lo - 1) // STAGES) & 1)
             o_tok = warpgroup_mma(
                 _a_operand(p_op, P_L, geo.F8), _v_operand(ring.v.index(prev), geo.F8), acc, is_async=True
             )
@@ -360,6 +374,8 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
                 sc = warpgroup_mma_wait(2, deps=[s_tok])  # (the QK GEMMs: issued before both PV GEMMs)
             else:
                 sc = warpgroup_mma_wait(1, deps=[s_tok])
+            if geo.SPLIT:
+                mbarrier.arrive(ring.empty.index(s))
             if Q_EARLY:
                 if t == n_walk - 1:
                     mbarrier.arrive(slots.empty)
@@ -381,7 +397,7 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
                 acc, acc1 = warpgroup_mma_wait(0, deps=[o_tok, o1_tok])
             else:
                 acc = warpgroup_mma_wait(0, deps=[o_tok])
-            mbarrier.arrive(ring.empty.index(prev))
+            mbarrier.arrive(ring.empty.index(STAGES + prev if geo.SPLIT else prev))
             p_op = _p_operand(p, P_L, dtype, geo.F8)
             if DV1 > 0:
                 p_op1 = _p_operand(p, P1_L, dtype, geo.F8)
@@ -391,6 +407,8 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
                 acc = _rescale(acc, alpha)
                 if DV1 > 0:
                     acc1 = _rescale(acc1, alpha1)
+            if geo.SPLIT:
+                mbarrier.wait(ring.full.index(STAGES + last), ((c + n_walk - 1 - t_lo) // STAGES) & 1)
             o_tok = warpgroup_mma(
                 _a_operand(p_op, P_L, geo.F8), _v_operand(ring.v.index(last), geo.F8), acc, is_async=True
             )
@@ -399,11 +417,10 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
                 acc, acc1 = warpgroup_mma_wait(0, deps=[o_tok, o1_tok])
             else:
                 acc = warpgroup_mma_wait(0, deps=[o_tok])
-            mbarrier.arrive(ring.empty.index(last))
+            mbarrier.arrive(ring.empty.index(STAGES + last if geo.SPLIT else last))
         if CAUSAL:  # tiles past this warpgroup's last key: released unread, in ring order
             for t in range(n_walk, w.n_tiles):
-                mbarrier.wait(ring.full.index((c + t - t_lo) % STAGES), ((c + t - t_lo) // STAGES) & 1)
-                mbarrier.arrive(ring.empty.index((c + t - t_lo) % STAGES))
+                _skip_tile(ring, c + t - t_lo, geo)
         c += w.n_tiles - t_lo
         l_i = gl.convert_layout(gl.sum(l_i, 1), gl.SliceLayout(1, S_L))  # (the quad's lanes, once)
 

@@ -44,6 +44,8 @@ class Geometry:
     Q_SCALED: gl.constexpr  # F8: a device q_scale multiplies the logits too
     K_SCALED: gl.constexpr  # a device k_scale multiplies the logits (its sign is read on the device)
     V_SCALED: gl.constexpr  # a device v_scale multiplies O
+    SPLIT: gl.constexpr  # K and V of a stage on barriers of their own (V's at STAGES + stage): K is
+    # released once its QK GEMM is done, a tile before V
 
     @gluon.constexpr_function
     def __init__(
@@ -73,6 +75,7 @@ class Geometry:
         Q_SCALED,
         K_SCALED,
         V_SCALED,
+        SPLIT,
     ):
         self.GROUP = gl.constexpr(GROUP)
         self.PAGE_SIZE = gl.constexpr(PAGE_SIZE)
@@ -106,6 +109,7 @@ class Geometry:
         self.Q_SCALED = gl.constexpr(Q_SCALED)
         self.K_SCALED = gl.constexpr(K_SCALED)
         self.V_SCALED = gl.constexpr(V_SCALED)
+        self.SPLIT = gl.constexpr(SPLIT)
 
 
 @aggregate

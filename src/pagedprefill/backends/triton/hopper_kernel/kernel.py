@@ -86,6 +86,7 @@ def attention_kernel(
     Q_SCALED: gl.constexpr,
     K_SCALED: gl.constexpr,
     V_SCALED: gl.constexpr,
+    SPLIT: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each; the kernel's own
@@ -117,6 +118,7 @@ def attention_kernel(
         Q_SCALED,
         K_SCALED,
         V_SCALED,
+        SPLIT,
     )
     dtype: gl.constexpr = Q.dtype.element_ty
     # (rows swizzled over their bytes, at most 128: 16-bit 32-column parts and 8-bit 64-column tiles
@@ -143,9 +145,10 @@ def attention_kernel(
         v1_smem = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, geo.DV1], SMEMV1)
     else:  # (unused)
         v1_smem = v_smem
-    kv_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
+    NBAR: gl.constexpr = 2 * STAGES if SPLIT else STAGES  # (SPLIT: V's barriers after K's)
+    kv_full = gl.allocate_shared_memory(gl.int64, [NBAR, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [NBAR, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NBAR):
         # (F8: K's copies, as for 16-bit K/V, and one more arrive once V is transposed)
         mbarrier.init(kv_full.index(i), count=(1 if (USE_TMA or geo.KV8) else LOAD_WARPS * 32) + (1 if F8 else 0))
         mbarrier.init(kv_empty.index(i), count=NC)
