@@ -163,15 +163,20 @@ def test_config_takes_two_consumers_where_192_row_blocks_would_be_padding():
 
 
 def test_stages_fit_shared_memory():
-    """Q and the K/V ring fit sm_90's 227 KB: 5 stages at D 128, 6 at D 96, 3 at Dqk 192 / Dvo 128, 5 of
-    32 keys at D 256."""
-    for (dqk, dvo), want in (((128, 128), 5), ((96, 96), 6), ((64, 64), 5), ((192, 128), 3), ((256, 256), 5)):
-        batch = batch_of(_case(dqk=dqk, dvo=dvo, dtype=BF16))
+    """Q and the K/V ring fit sm_90's 227 KB: 5 stages at D 128, 6 at D 96, 3 at Dqk 192 / Dvo 128; at
+    D 256 2 of 64 keys with K released apart from V where tiles come by TMA (pages of >= 16 tokens,
+    ragged), else 5 of 32 keys (pages under 16 tokens, 8-bit K/V)."""
+    cases = [((128, 128), 16, 5, 0), ((96, 96), 16, 6, 0), ((64, 64), 16, 5, 0), ((192, 128), 16, 3, 0)]
+    cases += [((256, 256), 16, 2, 1), ((256, 256), 0, 2, 1), ((256, 256), 8, 5, 0)]
+    for (dqk, dvo), page, want, split in cases:
+        batch = batch_of(_case(dqk=dqk, dvo=dvo, page_size=page, dtype=BF16))
         cfg = hp.config(batch)
         n = hp.stages(batch, cfg)
-        assert n == want
+        assert (n, cfg.split) == (want, split), (dqk, page)
         assert 2 * (cfg.BLOCK_M * dqk + n * cfg.BLOCK_N * (dqk + dvo)) <= hp.SMEM_BYTES
         assert hp.staging_slots(batch, cfg) == 0
+    fp8 = batch_of(_case(dqk=256, dvo=256, dtype=BF16, kv_dtype=torch.float8_e4m3fn))
+    assert (hp.config(fp8).BLOCK_N, hp.config(fp8).split) == (32, 0)
 
 
 def test_fp8_staging_fits_beside_the_ring():

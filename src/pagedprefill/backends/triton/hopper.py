@@ -48,7 +48,8 @@ class Config:
     # snake-ordered rounds: faster on varlen, 4k prompts, D 64 and MLA; slower on chunked prefill and
     # 1k prompts, where static rounds keep the programs that share K/V in step (L2 hits)
     dynamic: int = 1
-    # 1: K and V of a stage on their own barriers, K released after its QK GEMM (16-bit K/V by TMA)
+    # 1: K and V of a stage on their own barriers, K released after its QK GEMM (16-bit K/V by TMA;
+    # elsewhere the kernel ignores it): faster at D 256 on two 64-key stages, 3-5% slower at D 96 / 128
     split: int = 0
 
     @property
@@ -67,6 +68,10 @@ WIDE = {"consumers": 2, "BLOCK_N": 128, "consumer_regs": 224, "load_regs": 56}
 # the key loop; at 240 with two load warps the first consumer gets 200 and spills, load warps are
 # padded to a warpgroup); beside Q (64 KiB), five 32-key stages (1.8x the speed of two 64-key ones)
 D256 = {"consumers": 2, "BLOCK_N": 32, "stages": 5, "consumer_regs": 224, "load_warps": 4, "load_regs": 56}
+# ... and with 16-bit K/V whose tiles come by TMA: two 64-key stages, each K released once its QK GEMM
+# is done (`split`), so that the next tiles' K is in flight while V still serves the PV GEMM; without
+# the split two 64-key stages leave the loads exposed (0.8x five of 32 keys), with it 1.1x
+D256_SPLIT = {"BLOCK_N": 64, "stages": 2, "split": 1}
 # two consumers of 64 rows where a row block of 192 would pad a short query's rows by >= 1.2x more
 # than one of 128: see `prefers_narrow`
 NARROW = {"consumers": 2, "consumer_regs": 224}
@@ -158,6 +163,8 @@ def config(batch: PrefillBatch) -> Config:
     wide = over.pop("wide", None)
     if batch.head_dim_vo > 128:
         base = replace(DEFAULT, **D256)
+        if not batch.fp8_kv and _page_box(batch, replace(base, **D256_SPLIT)):
+            base = replace(base, **D256_SPLIT)
     else:
         base = replace(DEFAULT, **WIDE) if (prefers_wide(batch) if wide is None else wide) else DEFAULT
         if base == DEFAULT and wide is None and prefers_narrow(batch):
