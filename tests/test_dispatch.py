@@ -39,9 +39,13 @@ def test_the_hopper_kernel_goes_first_wherever_it_serves(hopper):
         dict(page_size=64),
     ):
         assert dispatch.auto_order(_cuda_batch(**kw)) == ["triton", "cudnn", "torch"], kw
-    # D 256: the Hopper kernel measured 0.91x cuDNN; soft-capping (cuDNN has none) still goes to Triton
-    assert dispatch.auto_order(_cuda_batch(dqk=256))[0] == "cudnn"
-    assert dispatch.auto_order(_cuda_batch(dqk=256, logits_soft_cap=30.0))[0] == "triton"
+    # D 256: Triton where its tiles come by TMA (two 64-key stages, K released apart from V: 1.04x
+    # cuDNN); pages the TMA cannot box (48 tokens) take five 32-key stages, 0.97x: cuDNN first, but
+    # soft-capping (cuDNN has none) still goes to Triton
+    assert dispatch.auto_order(_cuda_batch(dqk=256))[0] == "triton"
+    assert dispatch.auto_order(_cuda_batch(dqk=256, page_size=0))[0] == "triton"
+    assert dispatch.auto_order(_cuda_batch(dqk=256, page_size=48))[0] == "cudnn"
+    assert dispatch.auto_order(_cuda_batch(dqk=256, page_size=48, logits_soft_cap=30.0))[0] == "triton"
     hopper["value"] = False  # e.g. not an H200, head dim 80, split-KV chosen
     for kw in ({}, dict(dqk=96), dict(dqk=256), dict(page_size=0)):
         assert dispatch.auto_order(_cuda_batch(**kw))[0] == "cudnn", kw

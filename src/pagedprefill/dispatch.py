@@ -49,8 +49,9 @@ def auto_order(batch: PrefillBatch, workspace_bytes: int | None = None) -> list[
 
     * wherever this project's Hopper kernel serves the call (16-bit, Dqk = Dvo in {64, 96, 128} or
       Dqk 192 / Dvo 128, sm_90): Triton, ahead of cuDNN on every such workload measured (page sizes
-      16 and 64, ragged, 64 to 16k query tokens, GQA 4-8, MLA, D 96); at D 256 it reads 0.91x cuDNN,
-      so cuDNN goes first there;
+      16 and 64, ragged, 64 to 16k query tokens, GQA 4-8, MLA, D 96); at D 256 too where its tiles
+      come by TMA on two 64-key stages with K released apart from V (1.04x cuDNN), while the five
+      32-key stages it takes elsewhere (pages the TMA cannot box) read 0.97x, so cuDNN goes first there;
     * page sizes under 16 (per-key gathers, where cuDNN's paged kernel is slow), fp8 (cuDNN refuses
       fp8 attention before Blackwell) and logit soft-capping or CSR pages (cuDNN has neither): Triton;
     * everything else (other head dims on the portable kernel): cuDNN first.
@@ -65,7 +66,7 @@ def auto_order(batch: PrefillBatch, workspace_bytes: int | None = None) -> list[
         hopper = tb.uses_hopper_kernel(batch, workspace_bytes)
     except ImportError:
         hopper = False
-    triton_first = (hopper and batch.head_dim_vo <= 128) or (
+    triton_first = (hopper and (batch.head_dim_vo <= 128 or tb.hopper_config(batch).split)) or (
         (batch.paged and batch.page_size < 16)
         or batch.fp8_q
         or batch.fp8_kv

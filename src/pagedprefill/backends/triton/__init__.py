@@ -58,6 +58,11 @@ def uses_hopper_kernel(batch: PrefillBatch, workspace_bytes: int | None = None) 
     return fa2.choose_splits(batch, fa2.choose_config(batch), workspace_bytes) == 1
 
 
+def hopper_config(batch: PrefillBatch) -> hopper.Config:
+    """The Hopper kernel's launch knobs for this batch (its tiles, stages and register split)."""
+    return hopper.config(batch)
+
+
 def plan(batch: PrefillBatch, workspace_bytes: int | None):
     """The launches of this batch (``workspace_bytes``: the caller's scratch, which bounds split-KV)."""
     if uses_hopper_kernel(batch, workspace_bytes):
