@@ -180,6 +180,21 @@ def test_stages_fit_shared_memory():
     assert (hp.config(fp8).BLOCK_N, hp.config(fp8).split) == (32, 0)
 
 
+def test_d256_without_tma_boxes_takes_five_32_key_stages():
+    """D 256 plans two 64-key stages with K released apart from V, which needs TMA; a call whose strides
+    the TMA cannot box launches five 32-key stages instead (the split's stages would leave its
+    cp.async loads exposed)."""
+    plan = hp.HopperPlan(batch_of(_case(dqk=256, dvo=256, dtype=BF16)))
+    assert (plan.cfg.BLOCK_N, plan.cfg.stages, plan.cfg.split) == (64, 2, 1)
+    boxed = plan._constexprs((("k", 0, 0, False), ("v", 0, 0, False)), False)
+    assert (boxed["BLOCK_N"], boxed["STAGES"], boxed["SPLIT"]) == (64, 2, True)
+    gathered = plan._constexprs(None, False)
+    assert (gathered["BLOCK_N"], gathered["STAGES"], gathered["SPLIT"]) == (32, 5, False)
+    with tuning.override("hopper", BLOCK_N=32):  # (a knob set by hand is kept)
+        plan = hp.HopperPlan(batch_of(_case(dqk=256, dvo=256, dtype=BF16)))
+        assert plan._constexprs(None, False)["BLOCK_N"] == 32 and plan.cfg.split == 1
+
+
 def test_fp8_staging_fits_beside_the_ring():
     """8-bit K/V: three staging slots where the ring keeps three stages (two otherwise), and Q, the ring
     and the staging slots within shared memory, for every head dim and both tile widths."""

@@ -376,6 +376,9 @@ class HopperPlan:
         got = self._kwargs.get(key)
         if got is None:
             batch, cfg = self.batch, self.cfg
+            if tma is None and cfg.split and (cfg.BLOCK_N, cfg.stages) == (D256_SPLIT["BLOCK_N"], D256_SPLIT["stages"]):
+                # (strides the TMA cannot box: without the split two 64-key stages leave the loads exposed)
+                cfg = replace(cfg, BLOCK_N=D256["BLOCK_N"], stages=D256["stages"], split=0)
             got = self._kwargs[key] = dict(
                 GROUP=batch.group_size,
                 PAGE_SIZE=batch.page_size,
