@@ -190,9 +190,10 @@ def test_d256_without_tma_boxes_takes_five_32_key_stages():
     assert (boxed["BLOCK_N"], boxed["STAGES"], boxed["SPLIT"]) == (64, 2, True)
     gathered = plan._constexprs(None, False)
     assert (gathered["BLOCK_N"], gathered["STAGES"], gathered["SPLIT"]) == (32, 5, False)
-    with tuning.override("hopper", BLOCK_N=32):  # (a knob set by hand is kept)
-        plan = hp.HopperPlan(batch_of(_case(dqk=256, dvo=256, dtype=BF16)))
-        assert plan._constexprs(None, False)["BLOCK_N"] == 32 and plan.cfg.split == 1
+    for knobs in (dict(BLOCK_N=32), dict(split=0), dict(stages=4)):  # (set by hand: D256 and the knobs)
+        with tuning.override("hopper", **knobs):
+            cfg = hp.config(batch_of(_case(dqk=256, dvo=256, dtype=BF16)))
+        assert cfg == dataclasses.replace(cfg, **{**hp.D256, **knobs}), knobs
 
 
 def test_fp8_staging_fits_beside_the_ring():

@@ -163,7 +163,8 @@ def config(batch: PrefillBatch) -> Config:
     wide = over.pop("wide", None)
     if batch.head_dim_vo > 128:
         base = replace(DEFAULT, **D256)
-        if not batch.fp8_kv and _page_box(batch, replace(base, **D256_SPLIT)):
+        by_hand = {"split", "BLOCK_N", "stages"} & over.keys()  # (then D256 and the knobs, as set)
+        if not by_hand and not batch.fp8_kv and _page_box(batch, replace(base, **D256_SPLIT)):
             base = replace(base, **D256_SPLIT)
     else:
         base = replace(DEFAULT, **WIDE) if (prefers_wide(batch) if wide is None else wide) else DEFAULT
@@ -376,7 +377,7 @@ class HopperPlan:
         got = self._kwargs.get(key)
         if got is None:
             batch, cfg = self.batch, self.cfg
-            if tma is None and cfg.split and (cfg.BLOCK_N, cfg.stages) == (D256_SPLIT["BLOCK_N"], D256_SPLIT["stages"]):
+            if tma is None and cfg.split and batch.head_dim_vo > 128 and cfg.BLOCK_N == 64 and stages(batch, cfg) == 2:
                 # (strides the TMA cannot box: without the split two 64-key stages leave the loads exposed)
                 cfg = replace(cfg, BLOCK_N=D256["BLOCK_N"], stages=D256["stages"], split=0)
             got = self._kwargs[key] = dict(

@@ -145,7 +145,9 @@ def attention_kernel(
         v1_smem = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, geo.DV1], SMEMV1)
     else:  # (unused)
         v1_smem = v_smem
-    NBAR: gl.constexpr = 2 * STAGES if SPLIT else STAGES  # (SPLIT: V's barriers after K's)
+    # (SPLIT: V's barriers after K's; only the 16-bit TMA path fills them)
+    gl.static_assert(not SPLIT or (USE_TMA and STAGING == 0 and not F8), "SPLIT needs 16-bit K/V by TMA")
+    NBAR: gl.constexpr = 2 * STAGES if SPLIT else STAGES
     kv_full = gl.allocate_shared_memory(gl.int64, [NBAR, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [NBAR, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NBAR):

@@ -382,7 +382,9 @@ def _load_partition(
         # (Q_TMA: the item's Q goes out once its tile STAGES - 2 has a stage: the consumers have then
         # released the tile two before it, so when the last item had >= 2 tiles they are past its last
         # QK GEMM; with O_STAGE they hand the slots back only after the last item's epilogue read O
-        # from them, so the empty wait may wait for that; or after the item's last tile)
+        # from them, so the empty wait may wait for that; or after the item's last tile. SPLIT releases
+        # K a tile earlier, so that stage no longer implies the last QK GEMM is done: _issue_q's own
+        # wait on the slots' empty barrier is what guards Q, here as everywhere)
         q_at = gl.minimum(n_load, STAGES - 2)
         if geo.KV8 or geo.F8:  # (the item's first S8 - 1 tiles into staging; the slots' last tiles are widened)
             for j in gl.static_range(S8 - 1):
@@ -437,6 +439,8 @@ def _load_partition(
                     _tma_tile(ring, s, ring.full.index(STAGES + s), src, w, t, *descs, geo, False, True)
                 else:
                     mbarrier.wait(ring.empty.index(STAGES + s), v_empty_phase)
+                    # (K's full barrier completes only after V's copies too: the consumers' fence after
+                    # their wait on it covers the gathered V, which only the item's last PV GEMM reads)
                     src.gather(
                         ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo, True, True
                     )
