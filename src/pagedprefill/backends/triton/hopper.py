@@ -66,7 +66,7 @@ DYNAMIC_CHUNK = 8
 WIDE = {"consumers": 2, "BLOCK_N": 128, "consumer_regs": 224, "load_regs": 56}
 # Dvo 256: O's accumulator alone is 128 registers per thread: two consumers of 224 (ptxas: no spill in
 # the key loop; at 240 with two load warps the first consumer gets 200 and spills, load warps are
-# padded to a warpgroup); beside Q (64 KiB), five 32-key stages (1.8x the speed of two 64-key ones)
+# padded to a warpgroup); beside Q (64 KiB), five 32-key stages (1.8x two 64-key ones released whole)
 D256 = {"consumers": 2, "BLOCK_N": 32, "stages": 5, "consumer_regs": 224, "load_warps": 4, "load_regs": 56}
 # ... and with 16-bit K/V whose tiles come by TMA: two 64-key stages, each K released once its QK GEMM
 # is done (`split`), so that the next tiles' K is in flight while V still serves the PV GEMM; without
