@@ -428,31 +428,24 @@ def _load_partition(
                 _transpose_v(stg.v.index((c + i) % S8), ring.v.index(s), geo)
                 fence_async_shared()  # (V's generic writes before the consumers' wgmma)
                 mbarrier.arrive(ring.full.index(s))
-            elif geo.SPLIT:  # (TMA: K on barrier s, V on STAGES + s once the consumers released V's slot)
+            elif geo.USE_TMA:  # (SPLIT: K on barrier s, V on STAGES + s once the consumers released V's slot)
                 v_empty_phase = (((c + i) // STAGES) & 1) ^ 1
                 if (t + 1) * BLOCK_N <= w.kv_len:
-                    mbarrier.expect(ring.full.index(s), 2 * BLOCK_N * (DQ0 + DQ1))
                     descs = (k_desc, k1_desc, v_desc, v1_desc)
-                    _tma_tile(ring, s, ring.full.index(s), src, w, t, *descs, geo, True, False)
-                    mbarrier.wait(ring.empty.index(STAGES + s), v_empty_phase)
-                    mbarrier.expect(ring.full.index(STAGES + s), 2 * BLOCK_N * geo.DVO)
-                    _tma_tile(ring, s, ring.full.index(STAGES + s), src, w, t, *descs, geo, False, True)
+                    if geo.SPLIT:
+                        mbarrier.expect(ring.full.index(s), 2 * BLOCK_N * (DQ0 + DQ1))
+                        _tma_tile(ring, s, ring.full.index(s), src, w, t, *descs, geo, True, False)
+                        mbarrier.wait(ring.empty.index(STAGES + s), v_empty_phase)
+                        mbarrier.expect(ring.full.index(STAGES + s), 2 * BLOCK_N * geo.DVO)
+                        _tma_tile(ring, s, ring.full.index(STAGES + s), src, w, t, *descs, geo, False, True)
+                    else:
+                        mbarrier.expect(ring.full.index(s), 2 * BLOCK_N * (DQ0 + DQ1 + geo.DVO))
+                        _tma_tile(ring, s, ring.full.index(s), src, w, t, *descs, geo, True, True)
                 else:
-                    mbarrier.wait(ring.empty.index(STAGES + s), v_empty_phase)
-                    # (K's full barrier completes only after V's copies too: the consumers' fence after
-                    # their wait on it covers the gathered V, which only the item's last PV GEMM reads)
-                    src.gather(
-                        ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo, True, True
-                    )
-                    async_copy.commit_group()
-                    async_copy.wait_group(0)
-                    mbarrier.arrive(ring.full.index(s))
-                    mbarrier.arrive(ring.full.index(STAGES + s))
-            elif geo.USE_TMA:
-                if (t + 1) * BLOCK_N <= w.kv_len:
-                    mbarrier.expect(ring.full.index(s), 2 * BLOCK_N * (DQ0 + DQ1 + geo.DVO))
-                    _tma_tile(ring, s, ring.full.index(s), src, w, t, k_desc, k1_desc, v_desc, v1_desc, geo, True, True)
-                else:
+                    if geo.SPLIT:
+                        # (K's full barrier completes only after V's copies too: the consumers' fence
+                        # after their wait on it covers the gathered V, which only the last PV GEMM reads)
+                        mbarrier.wait(ring.empty.index(STAGES + s), v_empty_phase)
                     src.gather(
                         ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo, True, True
                     )
@@ -460,6 +453,8 @@ def _load_partition(
                     async_copy.wait_group(0)
                     # (arrive follows a barrier of the load warps: all their copies have landed)
                     mbarrier.arrive(ring.full.index(s))
+                    if geo.SPLIT:
+                        mbarrier.arrive(ring.full.index(STAGES + s))
             else:
                 src.gather(ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo, True, True)
                 async_copy.mbarrier_arrive(ring.full.index(s), increment_count=False)
