@@ -13,9 +13,12 @@
 #   variants  scripts/bench_variants.py: window, soft-cap, sinks, merge_state
 #   tune      scripts/tune_hopper.py \$TUNE_ARGS: the Hopper kernel under knob sets beside cuDNN
 #   profile   scripts/host_profile.py: cProfile of plan.run / one-shot per layer, and primitive costs
+#   ncu       Nsight Compute on scripts/ncu_case.py \$NCU_CASES (default: the Triton kernel on llama8b_b4_q4k, then FA3
+#             on it): speed of light, compute and memory workload sections, plus the shared-memory bank and GMMA-pipe
+#             metrics of \$NCU_METRICS that this ncu knows (the others are named in the log and left out)
 #   ab        scripts/tune_hopper.py \$TUNE_ARGS under each source tree _ab/NAME of \$AB (scripts/ab_trees.sh;
 #             carry _ab), in the order given and then reversed, one process per tree and pass
-# Knobs: TESTS (test paths/ids, default tests), PYTEST_ARGS, WORKERS, BENCH_ARGS, PROFILE_ARGS, SERVING_N, TAG (file
+# Knobs: SRC (the package's source tree, default src; e.g. _ab/NAME/src), TESTS (test paths/ids, default tests), PYTEST_ARGS, WORKERS, BENCH_ARGS, PROFILE_ARGS, SERVING_N, TAG (file
 # prefix); time limits in seconds: TEST_S, MEMCHECK_S, BENCH_S, SERVING_S, VARIANTS_S.
 # Wheels (.whl/, carried): nvidia-cudnn-frontend, fa3-fwd, pytest-xdist + execnet.
 set -uo pipefail
@@ -25,7 +28,7 @@ TAG=${TAG:-h200}
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   >/tmp/install.log 2>&1 || tail -5 /tmp/install.log
-export PYTHONPATH=/tmp/site:$PWD/src:${PYTHONPATH:-}
+export PYTHONPATH=/tmp/site:${SRC:-$PWD/src}:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,temperature.gpu --format=csv,noheader
 python3 - <<'EOF'
 import torch, triton
@@ -86,6 +89,18 @@ for s in $steps; do
       timeout "${TUNE_S:-240}" python3 scripts/tune_hopper.py ${TUNE_ARGS:-d256_b8_q2k} >"$OUT/$TAG-tune.log" 2>&1
       echo "rc $?"
       cat "$OUT/$TAG-tune.log" ;;
+    ncu)
+      want=${NCU_METRICS:-l1tex__data_bank_reads.avg.pct_of_peak_sustained_elapsed,l1tex__data_bank_writes.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_uniform.avg.pct_of_peak_sustained_active}
+      known=$(ncu --query-metrics 2>/dev/null | awk '{print $1}')
+      have=""
+      for m in ${want//,/ }; do
+        if grep -qx "${m%%.*}" <<<"$known"; then have="$have,$m"; else echo "ncu does not know $m: left out"; fi
+      done
+      timeout "${NCU_S:-400}" ncu --profile-from-start off --clock-control none --section SpeedOfLight \
+        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables ${have:+--metrics ${have#,}} \
+        python3 scripts/ncu_case.py ${NCU_CASES:-llama8b_b4_q4k fa3/llama8b_b4_q4k} >"$OUT/$TAG-ncu.log" 2>&1
+      echo "rc $?"
+      grep -E "attention_kernel|flash|Shared|bank|gmma|Throughput|Duration|Pipe" "$OUT/$TAG-ncu.log" | head -80 ;;
     ab)
       order="${AB:?AB: names of _ab/ trees}"
       rev=$(echo $order | tr ' ' '\n' | tac | tr '\n' ' ')

@@ -1,10 +1,13 @@
-"""One Triton call of a workload, warmed up, between cudaProfilerStart/Stop, for Nsight Compute.
+"""One call per named case, warmed up, between cudaProfilerStart/Stop, for Nsight Compute.
 
     ncu --profile-from-start off ... python scripts/ncu_case.py fp8kv_b8_q2k:fp8kv fp8kv_b8_q2k:bf16
+    ncu --profile-from-start off ... python scripts/ncu_case.py llama8b_b4_q4k llama8b_b4_q4k@qreg=2 fa3/llama8b_b4_q4k
 
 Each name (suffixes as in ``tune_hopper.py``: ``:fp8kv`` K/V quantized to e4m3, ``:fp8`` q, K and V, ``:bf16`` the
-16-bit data of an fp8 workload) is called three times outside the profiled range (compilation,
-metadata, descriptor caches), then once inside it.
+16-bit data of an fp8 workload) runs the Triton backend; ``@knob=v,knob=v`` runs it under those Hopper knobs
+(``tuning.override``); the prefix ``fa3/`` runs FlashAttention-3's varlen forward on the same data stored
+contiguously instead. Each is called three times outside the profiled range (compilation, metadata, descriptor
+caches), then once inside it, in the order given.
 """
 
 from __future__ import annotations
@@ -14,15 +17,31 @@ import sys
 import torch
 
 import pagedprefill
+from pagedprefill import tuning
 from pagedprefill import workloads as wl
+from pagedprefill.bench import references
+
+
+def _call(spec: str, dev: torch.device):
+    fa3 = spec.startswith("fa3/")
+    name, _, knobs = spec.removeprefix("fa3/").partition("@")
+    kw = wl.named_case(name, dev)
+    if fa3:
+        return references.reference_call(references.FA3, wl.dense_reference_inputs(kw))
+    over = {k: int(v) for k, v in (kv.split("=") for kv in knobs.split(","))} if knobs else {}
+
+    def call():
+        with tuning.override("hopper", **over):
+            return pagedprefill.cudnn_batch_prefill_with_kv_cache(**kw, backend="triton")
+
+    return call
 
 
 def main() -> int:
     dev = torch.device("cuda")
     calls = []
-    for name in sys.argv[1:]:
-        kw = wl.named_case(name, dev)
-        call = lambda kw=kw: pagedprefill.cudnn_batch_prefill_with_kv_cache(**kw, backend="triton")  # noqa: E731
+    for spec in sys.argv[1:]:
+        call = _call(spec, dev)
         for _ in range(3):
             call()
         calls.append(call)
