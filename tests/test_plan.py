@@ -107,6 +107,23 @@ def test_run_allocates_outputs_and_follows_return_lse():
     assert p2.run(kw["q"], kw["k_cache"], kw["v_cache"])[1] is None
 
 
+def test_run_alternating_layouts_each_get_their_own_plan():
+    """A layer whose K/V layout differs from the last run's (HND storage against the case's NHD, then
+    back) is planned for its own layout every time: the last layout's shortcut never serves another."""
+    case = make_case(9, lens_q=[6, 3, 9], lens_kv=[17, 3, 30], hq=6, hkv=2, dqk=32, page_size=4, dtype=F32)
+    p = plan_of(case)
+    kw = case.kwargs
+    k, v = kw["k_cache"], kw["v_cache"]
+    hnd = [t.contiguous() for t in (k, v)]  # same values, other strides
+    assert hnd[0].stride() != k.stride()
+    for kc, vc in [(k, v), hnd, (k, v), hnd]:
+        poison(kw["out"])
+        poison(kw["lse"])
+        out, lse = p.run(kw["q"], kc, vc, kw["out"], kw["lse"])
+        check(case, out, lse, atol=2e-5)
+    assert len(p.layers) == 2
+
+
 def test_plan_arguments_are_checked():
     case = make_case(9, lens_q=[5, 2], lens_kv=[9, 4], hq=4, hkv=2, dqk=32, page_size=4)
     with pytest.raises(ValueError, match="^num_qo_heads: expected a multiple of num_kv_heads"):
