@@ -18,8 +18,9 @@
 #             metrics of \$NCU_METRICS that this ncu knows (the others are named in the log and left out)
 #   ab        scripts/tune_hopper.py \$TUNE_ARGS under each source tree _ab/NAME of \$AB (scripts/ab_trees.sh;
 #             carry _ab), in the order given and then reversed, one process per tree and pass
-# Knobs: SRC (the package's source tree, default src; e.g. _ab/NAME/src), TESTS (test paths/ids, default tests), PYTEST_ARGS, WORKERS, BENCH_ARGS, PROFILE_ARGS, SERVING_N, TAG (file
-# prefix); time limits in seconds: TEST_S, MEMCHECK_S, BENCH_S, SERVING_S, VARIANTS_S.
+# Knobs: SRC (the package's source tree, default src; e.g. _ab/NAME/src), TESTS (test paths/ids, default tests),
+# PYTEST_ARGS, WORKERS, BENCH_ARGS, PROFILE_ARGS, SERVING_N, NCU_CASES, NCU_METRICS, TAG (file prefix); time limits
+# in seconds: TEST_S, MEMCHECK_S, BENCH_S, SERVING_S, VARIANTS_S, TUNE_S, NCU_S.
 # Wheels (.whl/, carried): nvidia-cudnn-frontend, fa3-fwd, pytest-xdist + execnet.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
