@@ -329,7 +329,8 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
         if n_walk > t_own:  # the first tile: nothing to overlap its softmax with yet
             s0 = (c + t_own - t_lo) % STAGES
             mbarrier.wait(ring.full.index(s0), ((c + t_own - t_lo) // STAGES) & 1)
-            fence_async_shared()
+            if not geo.USE_TMA:  # (cp.async tiles; the load warps fence their generic writes on the TMA paths)
+                fence_async_shared()
             s_tok = _qk_async(qg_sub, qg1_sub, ring.k.index(s0), ring.k1.index(s0), s_zero, DQ1)
             sc = warpgroup_mma_wait(0, deps=[s_tok])
             if geo.SPLIT:
@@ -360,7 +361,8 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
         ph_prev = ((u - 1) // STAGES) & 1
         for t in range(t_own + 1, n_walk):
             mbarrier.wait(ring.full.index(s), ph)
-            fence_async_shared()
+            if not geo.USE_TMA:
+                fence_async_shared()
             # S_t = Q K_t^T in flight while O is rescaled for tile t-1 (off the path from the PV
             # GEMM's wait to the next PV GEMM); then O += P_{t-1} V_{t-1} joins it, and softmax(S_t)
             # overlaps the PV GEMM
