@@ -450,9 +450,11 @@ def _load_partition(
                     async_copy.commit_group()
                     async_copy.wait_group(0)
                     # (the gathered tile's generic writes before the consumers' wgmma: with TMA tiles the
-                    # consumers do not fence; arrive follows a barrier of the load warps, so all their
-                    # copies have landed)
+                    # consumers do not fence. Every load thread fences its own copies, then the group
+                    # syncs before the one elected arrive: Triton's barrier after the wait would
+                    # otherwise stand before the fences, and the arrive's own sync is then left out)
                     fence_async_shared()
+                    gl.thread_barrier()
                     mbarrier.arrive(ring.full.index(s))
                     if geo.SPLIT:
                         mbarrier.arrive(ring.full.index(STAGES + s))
