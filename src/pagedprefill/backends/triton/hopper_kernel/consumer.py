@@ -329,7 +329,8 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
         if n_walk > t_own:  # the first tile: nothing to overlap its softmax with yet
             s0 = (c + t_own - t_lo) % STAGES
             mbarrier.wait(ring.full.index(s0), ((c + t_own - t_lo) // STAGES) & 1)
-            fence_async_shared()
+            if not geo.USE_TMA:  # (cp.async tiles; the load warps fence their generic writes on the TMA paths)
+                fence_async_shared()
             s_tok = _qk_async(qg_sub, qg1_sub, ring.k.index(s0), ring.k1.index(s0), s_zero, DQ1)
             sc = warpgroup_mma_wait(0, deps=[s_tok])
             if geo.SPLIT:
@@ -351,11 +352,17 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
             p_op = _p_operand(p, P_L, dtype, geo.F8)
             if DV1 > 0:
                 p_op1 = _p_operand(p, P1_L, dtype, geo.F8)
+        # the ring slot and phase of tile t and of tile t - 1, stepped per tile (a division by a stage
+        # count that is not a power of two costs a dozen uniform instructions per tile)
+        u = c + t_own + 1 - t_lo
+        s = u % STAGES
+        ph = (u // STAGES) & 1
+        prev = (u - 1) % STAGES
+        ph_prev = ((u - 1) // STAGES) & 1
         for t in range(t_own + 1, n_walk):
-            s = (c + t - t_lo) % STAGES
-            prev = (c + t - t_lo - 1) % STAGES
-            mbarrier.wait(ring.full.index(s), ((c + t - t_lo) // STAGES) & 1)
-            fence_async_shared()
+            mbarrier.wait(ring.full.index(s), ph)
+            if not geo.USE_TMA:
+                fence_async_shared()
             # S_t = Q K_t^T in flight while O is rescaled for tile t-1 (off the path from the PV
             # GEMM's wait to the next PV GEMM); then O += P_{t-1} V_{t-1} joins it, and softmax(S_t)
             # overlaps the PV GEMM
@@ -365,7 +372,7 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
                 if DV1 > 0:
                     acc1 = _rescale(acc1, alpha1)
             if geo.SPLIT:
-                mbarrier.wait(ring.full.index(STAGES + prev), ((c + t - t_lo - 1) // STAGES) & 1)
+                mbarrier.wait(ring.full.index(STAGES + prev), ph_prev)
             o_tok = warpgroup_mma(
                 _a_operand(p_op, P_L, geo.F8), _v_operand(ring.v.index(prev), geo.F8), acc, is_async=True
             )
@@ -401,6 +408,11 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
             p_op = _p_operand(p, P_L, dtype, geo.F8)
             if DV1 > 0:
                 p_op1 = _p_operand(p, P1_L, dtype, geo.F8)
+            prev = s
+            ph_prev = ph
+            wrap = s == STAGES - 1
+            s = gl.where(wrap, 0, s + 1)
+            ph = gl.where(wrap, ph ^ 1, ph)
         if n_walk > t_own:
             last = (c + n_walk - 1 - t_lo) % STAGES
             if n_walk > t_own + 1:

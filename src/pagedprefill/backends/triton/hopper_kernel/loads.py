@@ -442,16 +442,19 @@ def _load_partition(
                         mbarrier.expect(ring.full.index(s), 2 * BLOCK_N * (DQ0 + DQ1 + geo.DVO))
                         _tma_tile(ring, s, ring.full.index(s), src, w, t, *descs, geo, True, True)
                 else:
-                    if geo.SPLIT:
-                        # (K's full barrier completes only after V's copies too: the consumers' fence
-                        # after their wait on it covers the gathered V, which only the last PV GEMM reads)
+                    if geo.SPLIT:  # (the tile's K and V gathered together, once V's slot is free)
                         mbarrier.wait(ring.empty.index(STAGES + s), v_empty_phase)
                     src.gather(
                         ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo, True, True
                     )
                     async_copy.commit_group()
                     async_copy.wait_group(0)
-                    # (arrive follows a barrier of the load warps: all their copies have landed)
+                    # (the gathered tile's generic writes before the consumers' wgmma: with TMA tiles the
+                    # consumers do not fence. Every load thread fences its own copies, then the group
+                    # syncs before the one elected arrive: Triton's barrier after the wait would
+                    # otherwise stand before the fences, and the arrive's own sync is then left out)
+                    fence_async_shared()
+                    gl.thread_barrier()
                     mbarrier.arrive(ring.full.index(s))
                     if geo.SPLIT:
                         mbarrier.arrive(ring.full.index(STAGES + s))
