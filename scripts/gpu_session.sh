@@ -15,11 +15,12 @@
 #   profile   scripts/host_profile.py: cProfile of plan.run / one-shot per layer, and primitive costs
 #   ncu       Nsight Compute on scripts/ncu_case.py \$NCU_CASES (default: the Triton kernel on llama8b_b4_q4k, then FA3
 #             on it): speed of light, compute and memory workload sections, plus the shared-memory bank and GMMA-pipe
-#             metrics of \$NCU_METRICS that this ncu knows (the others are named in the log and left out)
+#             metrics of \$NCU_METRICS that this ncu knows (the others are named in the log and left out); \$NCU_SECTIONS
+#             replaces the three sections (e.g. "SpeedOfLight WarpStateStats SchedulerStats" for stall reasons)
 #   ab        scripts/tune_hopper.py \$TUNE_ARGS under each source tree _ab/NAME of \$AB (scripts/ab_trees.sh;
 #             carry _ab), in the order given and then reversed, one process per tree and pass
 # Knobs: SRC (the package's source tree, default src; e.g. _ab/NAME/src), TESTS (test paths/ids, default tests),
-# PYTEST_ARGS, WORKERS, BENCH_ARGS, PROFILE_ARGS, SERVING_N, NCU_CASES, NCU_METRICS, TAG (file prefix); time limits
+# PYTEST_ARGS, WORKERS, BENCH_ARGS, PROFILE_ARGS, SERVING_N, NCU_CASES, NCU_METRICS, NCU_SECTIONS, TAG (file prefix); time limits
 # in seconds: TEST_S, MEMCHECK_S, BENCH_S, SERVING_S, VARIANTS_S, TUNE_S, NCU_S.
 # Wheels (.whl/, carried): nvidia-cudnn-frontend, fa3-fwd, pytest-xdist + execnet.
 set -uo pipefail
@@ -97,11 +98,12 @@ for s in $steps; do
       for m in ${want//,/ }; do
         if grep -qx "${m%%.*}" <<<"$known"; then have="$have,$m"; else echo "ncu does not know $m: left out"; fi
       done
-      timeout "${NCU_S:-400}" ncu --profile-from-start off --clock-control none --section SpeedOfLight \
-        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables ${have:+--metrics ${have#,}} \
+      secs=""
+      for x in ${NCU_SECTIONS:-SpeedOfLight ComputeWorkloadAnalysis MemoryWorkloadAnalysis_Tables}; do secs="$secs --section $x"; done
+      timeout "${NCU_S:-400}" ncu --profile-from-start off --clock-control none $secs ${have:+--metrics ${have#,}} \
         python3 scripts/ncu_case.py ${NCU_CASES:-llama8b_b4_q4k fa3/llama8b_b4_q4k} >"$OUT/$TAG-ncu.log" 2>&1
       echo "rc $?"
-      grep -E "attention_kernel|flash|Shared|bank|gmma|Throughput|Duration|Pipe" "$OUT/$TAG-ncu.log" | head -80 ;;
+      grep -E "attention_kernel|flash|Shared|bank|gmma|Throughput|Duration|Pipe|stalled|issue|Eligible|Warp Cycles" "$OUT/$TAG-ncu.log" | head -150 ;;
     ab)
       order="${AB:?AB: names of _ab/ trees}"
       rev=$(echo $order | tr ' ' '\n' | tac | tr '\n' ' ')
