@@ -16,12 +16,15 @@
 #   ncu       Nsight Compute on scripts/ncu_case.py \$NCU_CASES (default: the Triton kernel on llama8b_b4_q4k, then FA3
 #             on it): speed of light, compute and memory workload sections, plus the shared-memory bank and GMMA-pipe
 #             metrics of \$NCU_METRICS that this ncu knows (the others are named in the log and left out); \$NCU_SECTIONS
-#             replaces the three sections (e.g. "SpeedOfLight WarpStateStats SchedulerStats" for stall reasons)
+#             replaces the three sections (e.g. "SpeedOfLight WarpStateStats SchedulerStats" for stall reasons);
+#             NCU_SASS=1 also writes the kernels' per-SASS-instruction CSV (\$TAG-sass.csv.gz) and its summary
+#   clock     scripts/clock_probe.py \$CLOCK_ARGS: SM clock, board power and cycles per call of each system under
+#             sustained calls
 #   ab        scripts/tune_hopper.py \$TUNE_ARGS under each source tree _ab/NAME of \$AB (scripts/ab_trees.sh;
 #             carry _ab), in the order given and then reversed, one process per tree and pass
 # Knobs: SRC (the package's source tree, default src; e.g. _ab/NAME/src), TESTS (test paths/ids, default tests),
-# PYTEST_ARGS, WORKERS, BENCH_ARGS, PROFILE_ARGS, SERVING_N, NCU_CASES, NCU_METRICS, NCU_SECTIONS, TAG (file prefix); time limits
-# in seconds: TEST_S, MEMCHECK_S, BENCH_S, SERVING_S, VARIANTS_S, TUNE_S, NCU_S.
+# PYTEST_ARGS, WORKERS, BENCH_ARGS, PROFILE_ARGS, SERVING_N, NCU_CASES, NCU_METRICS, NCU_SECTIONS, NCU_SASS, CLOCK_ARGS, TAG (file prefix);
+# time limits in seconds: TEST_S, MEMCHECK_S, BENCH_S, SERVING_S, VARIANTS_S, TUNE_S, NCU_S, CLOCK_S.
 # Wheels (.whl/, carried): nvidia-cudnn-frontend, fa3-fwd, pytest-xdist + execnet.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -103,7 +106,16 @@ for s in $steps; do
       timeout "${NCU_S:-400}" ncu --profile-from-start off --clock-control none $secs ${have:+--metrics ${have#,}} \
         python3 scripts/ncu_case.py ${NCU_CASES:-llama8b_b4_q4k fa3/llama8b_b4_q4k} >"$OUT/$TAG-ncu.log" 2>&1
       echo "rc $?"
-      grep -E "attention_kernel|flash|Shared|bank|gmma|Throughput|Duration|Pipe|stalled|issue|Eligible|Warp Cycles" "$OUT/$TAG-ncu.log" | head -150 ;;
+      grep -E "attention_kernel|flash|Shared|bank|gmma|Throughput|Duration|Pipe|stalled|issue|Eligible|Warp Cycles" "$OUT/$TAG-ncu.log" | head -150
+      if [ -n "${NCU_SASS:-}" ]; then  # per-SASS-instruction counts and stall samples of the attention kernels
+        timeout "${NCU_S:-400}" ncu --profile-from-start off --clock-control none \
+          --kernel-name regex:"attention_kernel|device_kernel" --section SourceCounters --section WarpStateStats \
+          -o /tmp/ncu-src -f python3 scripts/ncu_case.py ${NCU_CASES:-llama8b_b4_q4k fa3/llama8b_b4_q4k} \
+          >"$OUT/$TAG-ncu-src.log" 2>&1
+        ncu -i /tmp/ncu-src.ncu-rep --page source --csv --print-source sass >/tmp/ncu-sass.csv 2>>"$OUT/$TAG-ncu-src.log"
+        python3 scripts/ncu_sass_summary.py /tmp/ncu-sass.csv
+        gzip -c /tmp/ncu-sass.csv >"$OUT/$TAG-sass.csv.gz"
+      fi ;;
     ab)
       order="${AB:?AB: names of _ab/ trees}"
       rev=$(echo $order | tr ' ' '\n' | tac | tr '\n' ' ')
@@ -111,6 +123,10 @@ for s in $steps; do
         echo "## $t"
         PYTHONPATH=/tmp/site:$PWD/_ab/$t/src timeout "${TUNE_S:-240}" python3 scripts/tune_hopper.py ${TUNE_ARGS:-d256_b8_q2k} 2>&1 | grep -E "triton|ERROR"
       done | tee "$OUT/$TAG-ab.log" ;;
+    clock)
+      timeout "${CLOCK_S:-240}" python3 scripts/clock_probe.py ${CLOCK_ARGS:-llama8b_b1_q16k fp8_b2_q8k} >"$OUT/$TAG-clock.log" 2>&1
+      echo "rc $?"
+      cat "$OUT/$TAG-clock.log" ;;
     profile)
       timeout 240 python3 scripts/host_profile.py --out "$OUT" ${PROFILE_ARGS:-} >"$OUT/$TAG-profile.log" 2>&1
       echo "rc $?"
