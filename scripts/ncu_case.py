@@ -1,7 +1,7 @@
 """One call per named case, warmed up, between cudaProfilerStart/Stop, for Nsight Compute.
 
     ncu --profile-from-start off ... python scripts/ncu_case.py fp8kv_b8_q2k:fp8kv fp8kv_b8_q2k:bf16
-    ncu --profile-from-start off ... python scripts/ncu_case.py llama8b_b4_q4k llama8b_b4_q4k@qreg=2 fa3/llama8b_b4_q4k
+    ncu --profile-from-start off ... python scripts/ncu_case.py llama8b_b4_q4k llama8b_b4_q4k@wide=1 fa3/llama8b_b4_q4k
 
 Each name (suffixes as in ``tune_hopper.py``: ``:fp8kv`` K/V quantized to e4m3, ``:fp8`` q, K and V, ``:bf16`` the
 16-bit data of an fp8 workload) runs the Triton backend; ``@knob=v,knob=v`` runs it under those Hopper knobs
