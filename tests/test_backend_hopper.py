@@ -98,6 +98,15 @@ def test_what_it_serves(kw, served):
     assert (why == "not a CUDA device") == served, why
 
 
+@pytest.mark.parametrize("chunk,want", [(0, 6), (4, 4), (10**6, 6)])
+def test_plan_caps_the_chunk_at_every_pair(chunk, want):
+    """A chunk of at least every (sequence, KV head) pair is one chunk of all of them: the kernel's
+    chunk x row-block products then stay within the work items' count (int32)."""
+    case = make_case(1, lens_q=[5, 48, 3], lens_kv=[9, 60, 7], hq=8, hkv=2, dqk=128, page_size=16, dtype=F16)
+    with tuning.override("hopper", chunk=chunk):
+        assert hp.HopperPlan(batch_of(case)).chunk == want  # (3 sequences x 2 KV heads)
+
+
 def test_config_picks_wide_tiles_by_shape():
     """128 x 128 tiles on two consumers (``WIDE``) exactly where they measured faster: D = 128 with
     16-bit K/V in pages of >= 64 tokens; static rounds for prompts of <= 1024 tokens and chunked

@@ -173,6 +173,26 @@ def test_unusual_scales(scale):
     run_and_check(case, 1e-4)
 
 
+@pytest.mark.parametrize("window", [2**31 - 1, 2**31 + 5, 30])
+@pytest.mark.parametrize("causal", [True, False])
+def test_window_as_wide_as_every_key(window, causal):
+    """A window_left that reaches every key (30 here is the longest sequence) hides none, rows of a
+    sequence with more queries than keys included: no int32 bound arithmetic of a huge window."""
+    case = make_case(
+        52,
+        lens_q=[10, 4, 7],
+        lens_kv=[5, 30, 7],
+        hq=6,
+        hkv=2,
+        page_size=4,
+        dtype=F16,
+        causal=causal,
+        window_left=window,
+        device=DEVICE,
+    )
+    run_and_check(case, atol_for(F16))
+
+
 @pytest.mark.parametrize("splits", [2, 4])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("variant", ["none", "window", "sinks"])

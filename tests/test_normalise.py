@@ -382,6 +382,23 @@ def test_negative_offsets():
     expect_value_error(with_(kw, batch_offsets_q=bad), "batch_offsets_q", "non-negative")
 
 
+@pytest.mark.parametrize("name,what", [("o", "output rows"), ("q", "output rows"), ("stats", "LSE rows")])
+def test_offsets_that_make_two_sequences_write_one_row(name, what):
+    """Output (or, without batch_offsets_o, q: out follows q's rows) and LSE offsets on the host whose
+    sequences' rows overlap are refused: the row would keep whichever sequence wrote it last."""
+    kw = paged(offsets="tokens", lse_layout="packed")
+    key = f"batch_offsets_{name}"
+    if name == "q":
+        kw = with_(kw, batch_offsets_o=None)
+    bad = kw[key].clone()
+    bad[1] = bad[0] + LENS_Q[0] - 1  # (sequence 1 starts at sequence 0's last row)
+    msg = expect_value_error(with_(kw, **{key: bad}), key, f"offsets whose sequences' {what} do not overlap")
+    assert f"sequences 0 and 1 both at row {int(bad[1])}" in msg
+    bad[1] = bad[0] + LENS_Q[0]  # (adjacent: fine)
+    ref = pagedprefill.cudnn_batch_prefill_with_kv_cache(**with_(kw, **{key: bad}), backend="torch")
+    assert ref[0] is not None
+
+
 def test_q_with_too_few_rows_for_the_lengths():
     kw = paged()
     msg = expect_value_error(with_(kw, q=kw["q"][:7]), "q", "a q with at least 8 rows")
@@ -488,9 +505,9 @@ def test_scale_tensor_wrong_dtype(dtype):
     expect_value_error(with_(kw, k_scale=torch.ones(1, dtype=dtype)), "k_scale", "dtype float32")
 
 
-@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, 3e38])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, 3e38, 1e-40, -1e-39])
 def test_softmax_scale_must_be_finite_and_representable(bad):
-    expect_value_error(with_(paged(), scale=bad), "scale", "a finite float with")
+    expect_value_error(with_(paged(), scale=bad), "scale", "a finite float, 0 or with")
 
 
 @pytest.mark.parametrize("bad", ["0.1", True, torch.tensor(0.1), None])

@@ -78,6 +78,37 @@ def test_csr_arguments_are_checked():
         p.run(case.kwargs["q"], case.kwargs["k_cache"], case.kwargs["v_cache"])
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("csr", [False, True])
+def test_plan_keeps_its_own_copy_of_host_page_ids(backend, csr):
+    """Page ids on the CPU are copied by plan(): the caller's tensor changed afterwards (one id out of
+    range, one pointing at another page) changes no run and bypasses no check; a plan of the changed
+    ids refuses them."""
+    dtype = F16 if backend == "triton" else F32
+    case = make_case(
+        8, lens_q=[5, 9, 1], lens_kv=[13, 22, 7], hq=6, hkv=2, dqk=32, page_size=4, dtype=dtype, device=DEVICE
+    )
+    kw = case.kwargs
+    if csr:
+        pages = {k: v.cpu() for k, v in to_csr(case).items()}
+        ids = pages["kv_indices"]
+    else:
+        pages = {"block_tables": kw["block_tables"].cpu().clone()}
+        ids = pages["block_tables"]
+    p = plan_of(case, backend, csr=csr, **pages)
+    for _ in range(2):
+        poison(kw["out"])
+        poison(kw["lse"])
+        out, lse = p.run(kw["q"], kw["k_cache"], kw["v_cache"], kw["out"], kw["lse"])
+        check(case, out, lse, atol=atol_for(dtype), lse_atol=1e-3)
+        flat = ids.view(-1)
+        flat[0] = 10**6  # (used by sequence 0 either way)
+        flat[1] = int(flat[2])
+    name = "kv_indices" if csr else "block_tables"
+    with pytest.raises(ValueError, match=f"^{name}: expected page ids in"):
+        plan_of(case, backend, csr=csr, **pages).run(kw["q"], kw["k_cache"], kw["v_cache"], kw["out"], kw["lse"])
+
+
 def test_run_checks_the_layer_against_the_plan():
     case = make_case(7, lens_q=[5, 2], lens_kv=[9, 4], hq=4, hkv=2, dqk=32, page_size=4)
     p = plan_of(case)
@@ -287,3 +318,20 @@ def test_gpu_plan_run_layers_with_their_own_tensors(page_size, dqk, backend, mon
         check(case, out, lse, atol=atol_for(BF16), lse_atol=2e-2)
     if backend == "cudnn":
         assert len(raw_calls) >= len(layers) - 1  # (all of them when an earlier test ran this graph)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("backend", ["triton", "cudnn"])
+def test_gpu_plan_runs_on_its_tensors_device_not_the_current_one(backend):
+    """Tensors on the second GPU while the first is current: the kernels run on the tensors' GPU (Triton
+    launches on the current device unless it is set)."""
+    case = make_case(23, lens_q=[70, 9], lens_kv=[300, 9], hq=8, hkv=2, dqk=128, page_size=16, device="cuda:1")
+    p = plan_of(case, backend)
+    kw = case.kwargs
+    with torch.cuda.device(0):
+        for _ in range(2):
+            poison(kw["out"])
+            poison(kw["lse"])
+            out, lse = p.run(kw["q"], kw["k_cache"], kw["v_cache"], kw["out"], kw["lse"])
+            check(case, out, lse, atol=atol_for(kw["q"].dtype), lse_atol=2e-2)

@@ -469,3 +469,82 @@ def test_gpu_cuda_graph_wrapper_replays_after_replan():
         # (the base-2 scaling reads the rows it covers from the refilled indptr: the rest stay NaN)
         torch.testing.assert_close(lse[:rows].double().cpu() * math.log(2), _ref_lse_rows(c), atol=2e-2, rtol=0)
         assert torch.isnan(lse[rows:]).all()
+
+
+def test_paged_plan_checks_csr_pages_beside_a_block_table():
+    """FlashInfer's cudnn form (seq_lens + block_tables) beside the CSR arguments: the runs read the
+    table, so the CSR pages must describe the same batch (lengths and page ids, on the host), never be
+    ignored."""
+    case = _case(causal=True)
+    kw = case.kwargs
+    indptr, indices, last = _csr(case)
+    indices, table = indices.cpu(), kw["block_tables"].cpu()
+    lens = torch.tensor(case.lens_kv, dtype=torch.int32)
+    w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(kw["workspace_buffer"], "HND")
+
+    def plan(indptr=indptr, indices=indices, last=last, lens=lens):
+        w.plan(_qo_indptr(case), indptr, indices, last, 6, 2, 32, 4, q_data_type=F32, causal=True,
+               seq_lens=lens, block_tables=table)  # fmt: skip
+
+    plan()
+    check(case, w.run(kw["q"], (kw["k_cache"], kw["v_cache"])), None, atol=2e-5)
+    other = indices.clone()
+    other[1] = int(other[1]) + 1
+    with pytest.raises(ValueError, match="^paged_kv_indices: expected sequence 0's page ids as in block_tables"):
+        plan(indices=other)
+    with pytest.raises(ValueError, match="^paged_kv_indices: expected a tensor"):
+        plan(indices="garbage")
+    with pytest.raises(ValueError, match="^seq_lens: expected the KV lengths of the CSR pages"):
+        plan(lens=lens + 1)
+    with pytest.raises(ValueError, match="^paged_kv_indptr"):
+        plan(indptr=indptr[:-1])
+
+
+def test_plan_names_a_decreasing_indptr():
+    case = _case()
+    kw = case.kwargs
+    indptr, indices, last = _csr(case)
+    bad = _qo_indptr(case)
+    bad[2] = bad[1] - 1
+    w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(kw["workspace_buffer"], "HND")
+    with pytest.raises(ValueError, match="^qo_indptr: expected non-decreasing entries"):
+        w.plan(bad, indptr, indices, last, 6, 2, 32, 4, q_data_type=F32)
+    r = pagedprefill.BatchPrefillWithRaggedKVCacheWrapper(kw["workspace_buffer"])
+    kv_bad = torch.tensor([0, 5, 3, 9, 12], dtype=torch.int32)
+    with pytest.raises(ValueError, match="^kv_indptr: expected non-decreasing entries"):
+        r.plan(_qo_indptr(case), kv_bad, 6, 2, 32, q_data_type=F32)
+
+
+def test_run_checks_out_and_names_the_cache_as_flashinfer_does():
+    """out: q's rows x Hq x Dvo in the planned output dtype (FlashInfer's check); an error about the
+    cache names paged_kv_cache, the argument the caller passed."""
+    case = _case()
+    kw = case.kwargs
+    w = _paged_wrapper(case)
+    cache = (kw["k_cache"], kw["v_cache"])
+    rows = kw["q"].shape[0]
+    with pytest.raises(ValueError, match=r"^out: expected a tensor of shape \(q rows, num_qo_heads, head_dim_vo\)"):
+        w.run(kw["q"], cache, out=torch.empty(rows + 3, 6, 32))
+    with pytest.raises(ValueError, match="^out: expected dtype torch.float32"):
+        w.run(kw["q"], cache, out=torch.empty(rows, 6, 32, dtype=F16))
+    out = torch.full((rows, 6, 32), float("nan"))
+    assert w.run(kw["q"], cache, out=out) is out
+    check(case, out, None, atol=2e-5)
+    with pytest.raises(ValueError, match=r"^paged_kv_cache \(k\): expected 2 heads") as e:
+        w.run(kw["q"], (kw["k_cache"][:, :1], kw["v_cache"][:, :1]))
+    assert "k_cache" not in str(e.value).replace("paged_kv_cache", "")
+
+
+def test_paged_run_of_an_fp8_cache_without_scales_takes_scales_of_one():
+    """FlashInfer: a k_scale / v_scale not given is 1.0."""
+    case = _case(dtype=F16, kv_dtype=torch.float8_e4m3fn)
+    kw = case.kwargs
+    indptr, indices, last = _csr(case)
+    w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(kw["workspace_buffer"], "HND", backend="torch")
+    fp8 = torch.float8_e4m3fn
+    w.plan(_qo_indptr(case), indptr, indices, last, 6, 2, 32, 4, q_data_type=F16, kv_data_type=fp8, causal=kw["causal"])
+    cache = (kw["k_cache"], kw["v_cache"])
+    ones = w.run(kw["q"], cache, k_scale=1.0, v_scale=1.0)
+    torch.testing.assert_close(w.run(kw["q"], cache), ones, rtol=0, atol=0)
+    assert not torch.equal(ones, w.run(kw["q"], cache, k_scale=kw["k_scale"], v_scale=kw["v_scale"]))
+    check(case, w.run(kw["q"], cache, k_scale=kw["k_scale"], v_scale=kw["v_scale"]), None, atol=2.5e-2)

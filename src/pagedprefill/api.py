@@ -334,7 +334,8 @@ def plan(
     page size (0: ragged K/V), causal, scale, the variants, the backend and the workspace. A run
     checks only the layer's tensors against the plan and launches; device lengths, offsets and page
     ids are read at every run, so a plan with device tensors may be captured in a CUDA graph and
-    replayed after their contents change.
+    replayed after their contents change. Page ids on the CPU are copied here, once (as in
+    FlashInfer's ``plan``): a later change to that tensor does not reach the runs.
 
     Args mirror :func:`cudnn_batch_prefill_with_kv_cache`; ``scale`` defaults to 1/sqrt(head_dim_qk),
     ``max_token_per_sequence`` / ``max_sequence_kv`` to the lengths' maxima when they are on the

@@ -52,6 +52,7 @@ LENGTH_DTYPES = (torch.int32, torch.int64)
 OFFSET_NAMES = ("q", "o", "k", "v", "stats")
 # |scale| beyond this would overflow float32 logits for 16-bit inputs (|q.k| <= 65504^2 * 256)
 MAX_SCALE = 2.0**32
+MIN_SCALE = 2.0**-126  # (float32's smallest normal number: Triton types a float below it as float64)
 
 
 # --------------------------------------------------------------------------------------------
@@ -59,7 +60,9 @@ MAX_SCALE = 2.0**32
 # --------------------------------------------------------------------------------------------
 
 
-def describe(t: Tensor) -> str:
+def describe(t: object) -> str:
+    if not isinstance(t, Tensor):
+        return f"{type(t).__name__} {t!r:.60}"
     return f"tensor of shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
 
 
@@ -151,8 +154,8 @@ def scale_arg(scale: object) -> float:
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):  # (numpy's floats too)
         raise fail("scale", "a Python float (the softmax scale, e.g. 1/sqrt(head_dim))", type(scale).__name__)
     scale = float(scale)
-    if not math.isfinite(scale) or abs(scale) > MAX_SCALE:
-        raise fail("scale", "a finite float with |scale| <= 2^32 (typical: 1/sqrt(head_dim))", scale)
+    if not math.isfinite(scale) or abs(scale) > MAX_SCALE or 0 < abs(scale) < MIN_SCALE:
+        raise fail("scale", "a finite float, 0 or with 2^-126 <= |scale| <= 2^32 (typical: 1/sqrt(head_dim))", scale)
     return float(scale)
 
 
@@ -401,7 +404,7 @@ def sequences(
                 raise fail("block_tables", "a (B, max_pages) int32 block table with a paged cache", None)
             bt = check_tensor("block_tables", block_tables, 2)
             if bt.dtype not in LENGTH_DTYPES:
-                raise fail("block_tables", "dtype int32", bt.dtype)
+                raise fail("block_tables", "dtype int32 (or int64)", bt.dtype)
             if bt.shape[0] != bsz:
                 raise fail("block_tables", f"{bsz} rows (one per sequence)", f"shape {tuple(bt.shape)}")
             if bt.device.type == "cpu" and device.type != "cpu":
@@ -508,6 +511,19 @@ def sequences(
     return seq, dev_vecs, pages
 
 
+def _disjoint(arg: str, starts: list[int], lens: list[int], what: str) -> None:
+    """Sequences' row ranges [start, start + len) of an output that no two share (two sequences
+    writing one row would leave whichever wrote last)."""
+    spans = sorted((s, s + n, b) for b, (s, n) in enumerate(zip(starts, lens)) if n)
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            raise fail(
+                arg,
+                f"offsets whose sequences' {what} do not overlap",
+                f"sequences {min(a, b)} and {max(a, b)} both at row {start}",
+            )
+
+
 def _host_metadata(
     bsz,
     lens_q_t,
@@ -581,13 +597,17 @@ def _host_metadata(
 
     q_start = starts("q") or _prefix(lens_q)
     o_start = starts("o") or q_start
+    if "o" in offs or "q" in offs:
+        _disjoint("batch_offsets_o" if "o" in offs else "batch_offsets_q", o_start, lens_q, "output rows")
     if page_size > 0:
         k_start = v_start = [0] * bsz
     else:
         k_start = starts("k") or _prefix(lens_kv)
         v_start = starts("v") or k_start
     if lse_mode == "packed":
-        lse_start = [s * hq for s in starts("stats")]
+        stats_start = starts("stats")
+        _disjoint("batch_offsets_stats", stats_start, lens_q, "LSE rows")
+        lse_start = [s * hq for s in stats_start]
     elif lse_mode == "padded":
         lse_start = [b * max_q * hq for b in range(bsz)]
     else:
@@ -660,8 +680,12 @@ def batch_for(
     h = seq.host
     if h is not None:
         _check_rows(seq, h, q, k, v, out, lse_numel if lse is not None else None, out_allocated)
+    # (a window of at least every key hides none: off, so that no kernel's int32 bound arithmetic
+    # sees a huge window_left)
+    window_left = -1 if seq.window_left >= seq.work_kv else seq.window_left
     return PrefillBatch(
-        **{f.name: getattr(seq, f.name) for f in fields(seq)} | {"lse": seq.lse if lse is not None else "none"},
+        **{f.name: getattr(seq, f.name) for f in fields(seq)}
+        | {"lse": seq.lse if lse is not None else "none", "window_left": window_left},
         num_pages=shape.num_pages,
         q=Layout.of(q),
         k=Layout.of(k),

@@ -126,10 +126,21 @@ class PrefillPlan:
         workspace_buffer: Tensor | None,
         o_data_type: torch.dtype | None = None,
         return_lse: bool = False,
+        host_pages: Tensor | None = None,
     ):
         self.seq = seq
         self.vectors = vectors
+        if pages is not None and pages.device.type == "cpu":
+            # page ids on the CPU: the plan's own copy, made here once (as FlashInfer's plan does), so
+            # that a later change to the caller's tensor can neither reach a run nor bypass the check
+            # of the ids against the cache (made at each new layout, from host_pages)
+            host_pages = torch.empty_strided(pages.size(), pages.stride(), dtype=pages.dtype).copy_(pages)
+            if device.type != "cpu":
+                pages = host_pages.to(torch.int32).contiguous().pin_memory().to(device, non_blocking=True)
+            else:
+                pages = host_pages
         self.pages = pages
+        self.host_pages = host_pages  # (the CPU page ids the plan validates, or None: ids on the device)
         self.device = device
         self.backend = dispatch.check_backend(backend)
         self.workspace = workspace_buffer
@@ -183,8 +194,8 @@ class PrefillPlan:
         q, k, v, shape = normalise.layer_tensors(q, k, v, seq.page_size > 0)
         if not normalise.same_device(q.device, self.device):
             raise fail("q", f"a tensor on the plan's device {self.device}", f"one on {q.device}")
-        if self.pages is not None:  # (page ids on the CPU are validated against the cache's pages)
-            normalise.check_page_ids(self.pages, seq, shape.num_pages)
+        if self.host_pages is not None:  # (page ids on the CPU are validated against the cache's pages)
+            normalise.check_page_ids(self.host_pages, seq, shape.num_pages)
         o_dtype = normalise.resolve_out_dtype(q.dtype, self.o_data_type, out)
         q_s, k_s, v_s = normalise.scales(q.dtype, k.dtype, *scales, q.device, seq.graph_mode)
         normalise.sinks_arg(sinks, seq.num_qo_heads, q.device)
@@ -255,6 +266,10 @@ class PrefillPlan:
         """Run ``lp`` on this call's tensors (already matched to its layout)."""
         batch = lp.batch
         dev = batch.device
+        if dev.type == "cuda" and dev.index != torch.cuda.current_device():
+            # (Triton launches on the current device and its stream: the tensors' device must be it)
+            with torch.cuda.device(dev):
+                return self.execute(lp, q, k, v, out, lse, scales, sinks, ws, pages, vectors)
         if out is None:
             out = torch.zeros(lp.out_shape, dtype=batch.out_dtype, device=dev)
         lse_user = None

@@ -18,7 +18,11 @@ the plan's for that call; FlashInfer keeps them for later runs), ``end_forward``
 ``is_cuda_graph_enabled`` and ``reset_workspace_buffer`` (plan again after it); ``workspace_size``
 raises ``NotImplementedError``. The paged cache may also take FlashInfer's page-size-1 forms (a
 tuple of 3-D ``(pages, Hkv, D)`` tensors or one 4-D ``(pages, 2, Hkv, D)`` tensor). ``seq_lens``
-beside CSR pages must equal the pages' KV lengths (checked where they are on the host).
+beside CSR pages must equal the pages' KV lengths (checked where they are on the host); with
+``seq_lens`` + ``block_tables`` (FlashInfer's cudnn form, which the runs then read) the CSR pages must
+describe the same batch (checked where all of it is on the host). As in FlashInfer, ``run`` takes a
+missing ``q_scale`` / ``k_scale`` / ``v_scale`` of an 8-bit tensor as 1.0 and checks a given ``out``
+against q's rows and the planned output dtype.
 
 Host time: pass ``qo_indptr`` / ``paged_kv_indptr`` / ``paged_kv_last_page_len`` on the CPU (as FlashInfer
 recommends); on the device, ``plan`` reads them back once unless ``max_token_per_sequence`` and
@@ -34,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 
 import torch
 from torch import Tensor
@@ -265,6 +270,7 @@ class _Wrapper:
                 backend=self._backend,
                 workspace_buffer=base.workspace,
                 o_data_type=base.o_data_type,
+                host_pages=base.host_pages,
             )
         return p
 
@@ -305,6 +311,17 @@ class _Wrapper:
             raise fail("q", f"dtype {q_dt} (q_data_type of plan)", q.dtype)
         if kv_dt is not None and k.dtype != kv_dt:
             raise fail("paged_kv_cache" if self._paged else "k", f"dtype {kv_dt} (kv_data_type of plan)", k.dtype)
+        # (FlashInfer: a missing scale of an 8-bit tensor is 1)
+        q_scale = 1.0 if q_scale is None and q.element_size() == 1 else q_scale
+        k_scale = 1.0 if k_scale is None and k.element_size() == 1 else k_scale
+        v_scale = 1.0 if v_scale is None and v.element_size() == 1 else v_scale
+        if out is not None:  # (FlashInfer's check of out: q's rows, Hq, Dvo, the planned output dtype)
+            want = (q.shape[0], p.seq.num_qo_heads, p.seq.head_dim_vo)
+            if not isinstance(out, Tensor) or tuple(out.shape) != want:
+                raise fail("out", f"a tensor of shape (q rows, num_qo_heads, head_dim_vo) = {want}", describe(out))
+            o_dt = p.o_data_type or (q.dtype if q.element_size() > 1 else None)
+            if o_dt is not None and out.dtype != o_dt:
+                raise fail("out", f"dtype {o_dt} (o_data_type of plan)", out.dtype)
         if window_left is not None and window_left != p.seq.window_left:
             p = self._variant(window_left=normalise.variant_args(window_left, 0.0)[0])
         lse_buf = None
@@ -314,18 +331,25 @@ class _Wrapper:
                 given = f"shape {tuple(lse.shape)}" if isinstance(lse, Tensor) else type(lse).__name__
                 raise fail("lse", f"a float32 tensor of shape (q rows, num_qo_heads) = ({q.shape[0]}, {hq})", given)
             lse_buf = lse
-        o, lse_nat = p.run(
-            q,
-            k,
-            v,
-            out,
-            lse_buf,
-            q_scale=q_scale,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            sinks=sinks,
-            return_lse=bool(return_lse),
-        )
+        try:
+            o, lse_nat = p.run(
+                q,
+                k,
+                v,
+                out,
+                lse_buf,
+                q_scale=q_scale,
+                k_scale=k_scale,
+                v_scale=v_scale,
+                sinks=sinks,
+                return_lse=bool(return_lse),
+            )
+        except ValueError as e:  # (the cache's argument by the name the caller used)
+            msg = str(e)
+            if not msg.startswith(("k_cache:", "v_cache:")):
+                raise
+            name = (lambda m: f"paged_kv_cache ({m[1]})") if self._paged else (lambda m: m[1])
+            raise ValueError(re.sub(r"\b([kv])_cache\b", name, msg)) from e
         if not return_lse:
             return o
         # FlashInfer's wrappers return base-2 LSEs; a caller's buffer keeps its rows that no sequence
@@ -420,6 +444,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         ``paged_kv_last_page_len`` (B,)) or, like its cudnn backend, ``seq_lens`` + ``block_tables``."""
         self._plan_args(locals())
         qo_indptr = normalise.vector("qo_indptr", qo_indptr, None, self._workspace.device, False)
+        _check_indptr("qo_indptr", qo_indptr)
         lens_q = qo_indptr[1:] - qo_indptr[:-1]
         kv = {}
         if block_tables is not None:
@@ -427,6 +452,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
                 raise fail("seq_lens", "the (B,) KV lengths that go with block_tables", None)
             kv = dict(block_tables=block_tables, actual_seq_lens_kv=seq_lens)
             kv_host = seq_lens.tolist() if seq_lens.device.type == "cpu" else None
+            _check_csr_beside_table(
+                paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, seq_lens, block_tables, page_size
+            )
         else:
             indptr = normalise.vector("paged_kv_indptr", paged_kv_indptr, qo_indptr.shape[0], qo_indptr.device, False)
             last = normalise.vector(
@@ -642,6 +670,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         dev = self._workspace.device
         qo = normalise.vector("qo_indptr", qo_indptr, None, dev, False)
         kvp = normalise.vector("kv_indptr", kv_indptr, qo.shape[0], dev, False)
+        _check_indptr("qo_indptr", qo)
+        _check_indptr("kv_indptr", kvp)
         lens_q, lens_kv = qo[1:] - qo[:-1], kvp[1:] - kvp[:-1]
         q_host = lens_q.tolist() if lens_q.device.type == "cpu" or max_token_per_sequence is None else []
         kv_host = lens_kv.tolist() if lens_kv.device.type == "cpu" or max_sequence_kv is None else []
@@ -720,6 +750,43 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         return self._run(q, k, v, None, None, return_lse, None, None, None, None, None, p=p)
 
     forward_return_lse = functools.partialmethod(forward, return_lse=True)
+
+
+def _check_indptr(name: str, indptr: Tensor) -> None:
+    """An indptr on the host: non-decreasing (its differences are the sequences' lengths)."""
+    if indptr.device.type == "cpu" and indptr.numel() > 1:
+        steps = indptr[1:] - indptr[:-1]
+        if bool((steps < 0).any()):
+            b = int((steps < 0).nonzero()[0])
+            raise fail(name, "non-decreasing entries", f"{int(indptr[b])} then {int(indptr[b + 1])} at index {b}")
+
+
+def _check_csr_beside_table(indptr, indices, last, seq_lens, table, page_size: int) -> None:
+    """FlashInfer's CSR pages given beside ``seq_lens`` + ``block_tables`` (its cudnn backend's form,
+    which these runs read) must describe the same batch: tensors of the batch's size, and where all
+    of it is on the host, the same KV lengths and the same page ids."""
+    if not isinstance(seq_lens, Tensor) or not isinstance(table, Tensor):
+        return  # (the plan's own checks name them)
+    bsz = seq_lens.numel()
+    indptr = normalise.vector("paged_kv_indptr", indptr, bsz + 1, seq_lens.device, False)
+    last = normalise.vector("paged_kv_last_page_len", last, bsz, seq_lens.device, False)
+    if not isinstance(indices, Tensor):
+        raise fail("paged_kv_indices", "a tensor of page ids", describe(indices))
+    tensors = (indptr, last, indices, seq_lens, table)
+    if any(t.device.type != "cpu" for t in tensors):
+        return
+    _check_indptr("paged_kv_indptr", indptr)
+    _check_seq_lens(seq_lens, None, indptr, last, page_size, None)
+    flat = indices.reshape(-1)
+    for b in range(bsz):
+        lo, hi = int(indptr[b]), int(indptr[b + 1])
+        ids = flat[lo:hi].long()
+        if hi > flat.numel() or hi - lo > table.shape[1] or not torch.equal(ids, table[b, : hi - lo].long()):
+            raise fail(
+                "paged_kv_indices",
+                f"sequence {b}'s page ids as in block_tables[{b}] (both given: they must describe one batch)",
+                ids.tolist()[:8],
+            )
 
 
 def _check_seq_lens(seq_lens, kv_host, indptr: Tensor, last: Tensor, page_size: int, max_kv) -> None:

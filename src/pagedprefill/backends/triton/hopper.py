@@ -362,7 +362,10 @@ class HopperPlan:
             raise ValueError(f"too many work items for one launch ({total}); split the batch")
         self.grid = (max(grid, 1),)
         self.box = _page_box(batch, cfg)
-        self.chunk = min(cfg.chunk, total) if cfg.chunk > 0 else total
+        # (a chunk of at least every pair is one chunk: capped there, chunk x row blocks stays within
+        # total, which fits int32)
+        n_bh = batch.num_kv_heads * batch.batch_size
+        self.chunk = max(min(cfg.chunk, n_bh) if cfg.chunk > 0 else n_bh, 1)
         self.dynamic = int(bool(cfg.dynamic))
         self.zeroed_scratch = bool(self.dynamic)  # (the counter: zeroed by a device table's launch, if any)
         self._kwargs: dict = {}
