@@ -79,8 +79,8 @@ def test_csr_arguments_are_checked():
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("csr", [False, True])
-def test_plan_keeps_its_own_copy_of_host_page_ids(backend, csr):
+@pytest.mark.parametrize("csr,view", [(False, "contiguous"), (False, "sliced"), (False, "repeated"), (True, "")])
+def test_plan_keeps_its_own_copy_of_host_page_ids(backend, csr, view):
     """Page ids on the CPU are copied by plan(): the caller's tensor changed afterwards (one id out of
     range, one pointing at another page) changes no run and bypasses no check; a plan of the changed
     ids refuses them."""
@@ -93,8 +93,20 @@ def test_plan_keeps_its_own_copy_of_host_page_ids(backend, csr):
         pages = {k: v.cpu() for k, v in to_csr(case).items()}
         ids = pages["kv_indices"]
     else:
-        pages = {"block_tables": kw["block_tables"].cpu().clone()}
-        ids = pages["block_tables"]
+        table = ids = kw["block_tables"].cpu().clone()
+        if view == "sliced":  # (a view into a wider buffer: rows with gaps)
+            ids = torch.cat([table, torch.full_like(table, -7)], 1)
+            table = ids[:, : table.shape[1]]
+        elif view == "repeated":  # (one row for every sequence: stride 0)
+            case = make_case(
+                8, lens_q=[5, 9, 1], lens_kv=[13, 13, 13], hq=6, hkv=2, dqk=32, page_size=4, dtype=dtype, device=DEVICE
+            )
+            kw = case.kwargs
+            ids = kw["block_tables"].cpu()[:1].clone()
+            table = ids.expand(3, -1)
+            kw["block_tables"].copy_(table)
+            case.info["block_tables"] = table.clone()
+        pages = {"block_tables": table}
     p = plan_of(case, backend, csr=csr, **pages)
     for _ in range(2):
         poison(kw["out"])

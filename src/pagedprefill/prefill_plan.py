@@ -107,6 +107,13 @@ def _vector_tensors(vectors: DeviceVectors | None) -> tuple[tuple, tuple]:
     return tuple(n for n, _ in named), tuple(t for _, t in named)
 
 
+def _own_copy(t: Tensor) -> Tensor:
+    """A copy of ``t`` in its own memory with ``t``'s strides (the storage span it covers, cloned:
+    views with gaps or repeated rows keep their layout, which the plan's row stride was taken from)."""
+    n = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) if t.numel() else 0
+    return t.as_strided((n,), (1,), t.storage_offset()).clone().as_strided(t.size(), t.stride())
+
+
 PLANS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # op id -> plan (pagedprefill.ops)
 _IDS = itertools.count(1)
 
@@ -134,7 +141,7 @@ class PrefillPlan:
             # page ids on the CPU: the plan's own copy, made here once (as FlashInfer's plan does), so
             # that a later change to the caller's tensor can neither reach a run nor bypass the check
             # of the ids against the cache (made at each new layout, from host_pages)
-            host_pages = torch.empty_strided(pages.size(), pages.stride(), dtype=pages.dtype).copy_(pages)
+            host_pages = _own_copy(pages)
             if device.type != "cpu":
                 pages = host_pages.to(torch.int32).contiguous().pin_memory().to(device, non_blocking=True)
             else:
