@@ -131,6 +131,10 @@ def test_bad_arguments_name_themselves():
         pagedprefill.merge_state(*[x for pair in zip(vs, ss) for x in pair], lse_base=10)
     with pytest.raises(ValueError, match="^s: expected dtype float32"):
         pagedprefill.merge_states(torch.stack(vs, 1), torch.stack(ss, 1).double())
+    with pytest.raises(ValueError, match="^v_a: expected a head dim D >= 1"):
+        pagedprefill.merge_state(vs[0][..., :0], ss[0], vs[1][..., :0], ss[1])
+    with pytest.raises(ValueError, match="^v: expected at least one state to merge"):
+        pagedprefill.merge_states(torch.stack(vs, 1)[:, :0], torch.stack(ss, 1)[:, :0])
 
 
 @pytest.mark.gpu

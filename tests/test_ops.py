@@ -47,6 +47,8 @@ def test_errors_name_the_argument_and_write_nothing():
     assert torch.equal(kw["out"].view(torch.uint8), before.view(torch.uint8))
     with pytest.raises(ValueError, match="^out: expected dtype"):
         ops.batch_prefill_with_kv_cache(**dict(case.kwargs, o_data_type=torch.float16))
+    with pytest.raises(ValueError, match="^lse: expected None when return_lse=False"):  # (as the eager call)
+        ops.batch_prefill_with_kv_cache(**dict(case.kwargs, return_lse=False))
 
 
 def test_opcheck():

@@ -121,6 +121,33 @@ def test_plan_keeps_its_own_copy_of_host_page_ids(backend, csr, view):
         plan_of(case, backend, csr=csr, **pages).run(kw["q"], kw["k_cache"], kw["v_cache"], kw["out"], kw["lse"])
 
 
+def test_run_checks_a_float_scale_at_every_run():
+    """A float scale's value is not part of the layout: a non-finite one is refused on every run, not
+    only on the layout's first."""
+    case = make_case(9, lens_q=[5, 2], lens_kv=[9, 4], hq=4, hkv=2, dqk=32, page_size=4, kv_dtype=torch.float8_e4m3fn)
+    kw = case.kwargs
+    p = plan_of(case)
+    p.run(kw["q"], kw["k_cache"], kw["v_cache"], kw["out"], k_scale=1.0, v_scale=1.0)
+    before = kw["out"].clone()
+    for bad in (math.nan, math.inf):
+        with pytest.raises(ValueError, match="^k_scale: expected a finite scale"):
+            p.run(kw["q"], kw["k_cache"], kw["v_cache"], kw["out"], k_scale=bad, v_scale=1.0)
+    assert torch.equal(kw["out"].view(torch.uint8), before.view(torch.uint8))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the portable kernel's split count, in the CPU interpreter")
+def test_a_knob_override_replans_a_layout():
+    """A layout planned under other backend knobs (``pagedprefill.tuning``) is planned again."""
+    case = make_case(10, lens_q=[5, 2], lens_kv=[90, 40], hq=4, hkv=2, dqk=32, page_size=4, dtype=F16)
+    kw = case.kwargs
+    p = plan_of(case, "triton")
+    p.run(kw["q"], kw["k_cache"], kw["v_cache"], kw["out"], kw["lse"])
+    with pagedprefill.tuning.override("triton", num_splits=3):
+        out, lse = p.run(kw["q"], kw["k_cache"], kw["v_cache"], kw["out"], kw["lse"])
+        assert [lp.backend.splits for lp in p.layers.values()][-1] == 3
+    check(case, out, lse, atol=atol_for(F16), lse_atol=1e-3)
+
+
 def test_run_checks_the_layer_against_the_plan():
     case = make_case(7, lens_q=[5, 2], lens_kv=[9, 4], hq=4, hkv=2, dqk=32, page_size=4)
     p = plan_of(case)

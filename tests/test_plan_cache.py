@@ -111,6 +111,18 @@ def test_bad_lengths_after_a_cached_call_still_raise(normalise_calls):
     assert torch.equal(before.view(torch.int32), a.kwargs["out"].view(torch.int32))
 
 
+@pytest.mark.parametrize("name", ["causal", "return_lse", "max_token_per_sequence", "scale"])
+def test_misuse_after_a_cached_call_still_raises(normalise_calls, name):
+    """The cache's key holds the scalars' types: True == 1 == 1.0, yet a call refused on a cold cache
+    is refused on a warm one."""
+    a = make_case(3, **RAGGED)
+    kw = dict(a.kwargs, backend="torch", scale=1.0)
+    bad = {"causal": int, "return_lse": int, "max_token_per_sequence": float, "scale": lambda x: x == 1.0}[name]
+    cudnn_batch_prefill_with_kv_cache(**kw)
+    with pytest.raises(ValueError, match=f"^{name}: expected"):
+        cudnn_batch_prefill_with_kv_cache(**dict(kw, **{name: bad(kw[name])}))
+
+
 def test_other_layouts_and_arguments_miss(normalise_calls):
     a = make_case(4, **RAGGED)
     kw = dict(a.kwargs, backend="torch")

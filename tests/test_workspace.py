@@ -138,6 +138,18 @@ def test_a_workspace_in_use_by_another_thread_is_refused(monkeypatch):
     check(b, out, lse, atol=2e-5)
 
 
+def test_empty_workspaces_are_never_held():
+    """Every empty tensor has address 0: threads with their own empty workspaces (a backend that needs
+    none) do not refuse each other."""
+    mine = torch.empty(0, dtype=torch.uint8)
+    assert workspace.acquire(mine)  # (as a nested hold: nothing to release)
+    errors = []
+    t = threading.Thread(target=lambda: errors.append(workspace.acquire(torch.empty(0, dtype=torch.uint8))))
+    t.start()
+    t.join()
+    assert errors == [True]
+
+
 def test_hold_is_reentrant_in_one_thread_and_refused_to_another():
     ws = torch.empty(16, dtype=torch.uint8)
     assert not workspace.acquire(ws)  # the outer hold

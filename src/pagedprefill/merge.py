@@ -40,6 +40,10 @@ def _check_state(nv: str, v: object, ns: str, s: object, stacked: bool) -> None:
         raise fail(nv, f"a rank-{rank} tensor {shape}", v if not isinstance(v, Tensor) else f"shape {tuple(v.shape)}")
     if v.dtype not in _VALUE_DTYPES:
         raise fail(nv, "dtype float16, bfloat16 or float32", v.dtype)
+    if v.shape[-1] == 0:
+        raise fail(nv, "a head dim D >= 1", f"shape {tuple(v.shape)}")
+    if stacked and v.shape[1] == 0:
+        raise fail(nv, "at least one state to merge (dim 1 >= 1)", f"shape {tuple(v.shape)}")
     if v.numel() and v.stride(-1) != 1:
         raise fail(nv, "unit stride on the last dimension", f"strides {tuple(v.stride())}")
     if not isinstance(s, Tensor) or tuple(s.shape) != tuple(v.shape[:-1]):

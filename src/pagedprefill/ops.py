@@ -145,6 +145,8 @@ def batch_prefill_with_kv_cache(
     Outputs not given are allocated here: out (q rows, Hq, Dvo) zero-filled; lse (B,
     max_token_per_sequence, Hq), or (q rows, Hq) with ``batch_offsets_stats``, filled with -inf.
     Offsets that place rows beyond q's rows need caller-given buffers."""
+    if lse is not None and not return_lse:  # (as the eager function: never silently ignored)
+        raise fail("lse", "None when return_lse=False", "a tensor")
     dtype = _out_like(q, v_cache, o_data_type, out)
     if out is None:
         out = torch.zeros((q.shape[0], q.shape[1], v_cache.shape[-1]), dtype=dtype, device=q.device)
@@ -247,6 +249,8 @@ def plan_run(
         out = torch.zeros((rows, q.shape[1], v_cache.shape[-1]), dtype=dtype, device=q.device)
     if return_lse is None:
         return_lse = plan.default_return_lse
+    if lse is not None and not return_lse:  # (as plan.run: never silently ignored)
+        raise fail("lse", "None when return_lse=False", "a tensor")
     if return_lse and lse is None:
         shape = (
             (normalise.alloc_rows(seq, q.shape[0], "stats"), seq.num_qo_heads)

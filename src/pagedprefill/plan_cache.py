@@ -68,7 +68,9 @@ def signature(tensors: tuple, vectors: tuple, scales: tuple, scalars: tuple) -> 
     )
     if None in parts[0] or None in parts[1] or None in parts[2]:
         return None
-    return (*parts, scalars, threading.get_ident(), tuning.generation)
+    # (with the scalars' types: True == 1 == 1.0, and a call whose causal is 1 must be refused as
+    # the first such call was, not served by the plan of causal=True)
+    return (*parts, scalars, tuple(map(type, scalars)), threading.get_ident(), tuning.generation)
 
 
 def get(key: tuple | None):

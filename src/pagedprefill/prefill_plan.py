@@ -17,7 +17,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from pagedprefill import dispatch, normalise, workspace
+from pagedprefill import dispatch, normalise, tuning, workspace
 from pagedprefill.batch import CallTensors, DeviceVectors, PrefillBatch, Sequences, fail
 from pagedprefill.kernels.launch import LaunchSlot
 
@@ -186,6 +186,7 @@ class PrefillPlan:
             return_lse,
             ws.numel(),
             ws.data_ptr() & 15 == 0,  # (the device table is carved from its first bytes)
+            tuning.generation,  # (a layout planned under other backend knobs is planned again)
         )
         last = self._last
         if last is not None and last[0] == key:  # (a run of the last layout: no hashing of the key)
@@ -283,6 +284,10 @@ class PrefillPlan:
         if lp.return_lse:
             lse_user = lse if lse is not None else torch.full(lp.lse_shape, -math.inf, dtype=torch.float32, device=dev)
         scaled = scales[0] is not None or scales[1] is not None or scales[2] is not None
+        if scaled:  # (a float scale's value is not part of the layout: checked at every run)
+            for name, x in zip(("q_scale", "k_scale", "v_scale"), scales):
+                if type(x) is float and not math.isfinite(x):
+                    raise fail(name, "a finite scale", x)
         if vectors is self.vectors:
             vec_names, vec_tensors = self._vector_names, self._vector_tensors
         else:

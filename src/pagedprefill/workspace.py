@@ -138,7 +138,10 @@ def acquire(ws: Tensor) -> bool:
     """Hold ``ws`` for this thread's call; raises while another thread's call holds it (the two would
     overwrite each other's metadata and scratch). Calls on one thread are ordered by their stream.
     Returns whether this thread already held it (a nested call: :func:`release` only the outer).
-    (dict.setdefault is atomic under the GIL: of two threads racing for one address, one wins.)"""
+    (dict.setdefault is atomic under the GIL: of two threads racing for one address, one wins.)
+    An empty workspace holds nothing to overwrite (and every empty tensor has address 0): never held."""
+    if ws.numel() == 0:
+        return True
     ptr = ws.data_ptr()
     me = threading.get_ident()
     owner = _HELD.get(ptr)
