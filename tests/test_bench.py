@@ -525,6 +525,27 @@ def test_bad_arguments_exit_2(capsys):
     assert cli.main(["--device", "cpu", "--layers", "2", "--plot", "x.png"]) == 2
     err = capsys.readouterr().err
     assert "unknown backend" in err and "unknown workload" in err and "--plot" in err
+    assert cli.main(["--device", "cpu", "--serving", "0"]) == 2  # (not the table mode)
+    assert cli.main(["--device", "cpu", "--layers", "0"]) == 2
+    assert "N >= 1" in capsys.readouterr().err
+
+
+def test_unwritable_output_paths_fail_before_running(tmp_path, capsys):
+    assert cli.main([*FAST, "--out-json", str(tmp_path)]) == 2
+    (tmp_path / "file").write_text("")
+    assert cli.main([*FAST, "--markdown", str(tmp_path / "file" / "t.md")]) == 2
+    err = capsys.readouterr().err
+    assert "--out-json" in err and "a directory" in err and "--markdown" in err
+
+
+def test_nothing_measured_is_an_error(monkeypatch, capsys):
+    """Every cell skipped (here: triton on the CPU without the interpreter) exits 1, saying so."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from pagedprefill.kernels import launch
+
+    monkeypatch.setattr(launch, "INTERPRETED", False)
+    rc = cli.main([*FAST, "--workloads", "cpu_b2_q64_p64", "--backends", "triton"])
+    assert rc == 1 and "nothing was measured" in capsys.readouterr().out
 
 
 def test_list(capsys):

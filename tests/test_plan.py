@@ -156,8 +156,12 @@ def test_run_checks_the_layer_against_the_plan():
     before = kw["out"].clone()
     with pytest.raises(ValueError, match="^q: expected 4 heads"):
         p.run(torch.randn(q.shape[0], 8, 32), k, v, kw["out"])
-    with pytest.raises(ValueError, match="head dims"):
+    with pytest.raises(ValueError, match="^q: expected head dim 32 \\(the plan's head_dim_qk\\), got 16"):
         p.run(torch.randn(q.shape[0], 4, 16), k[..., :16], v[..., :16])
+    with pytest.raises(ValueError, match="^q: expected head dim 32"):  # (not k_cache, which is as planned)
+        p.run(torch.randn(q.shape[0], 4, 16), k, v)
+    with pytest.raises(ValueError, match="head dims"):
+        p.run(q, k, v[..., :16])
     with pytest.raises(ValueError, match="^k_cache: expected page size 4"):
         p.run(q, k.reshape(-1, 2, 2, 32)[: k.shape[0]], v.reshape(-1, 2, 2, 32)[: v.shape[0]])
     with pytest.raises(ValueError, match="^q: expected a q with at least"):

@@ -198,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=None, help="timed calls (default 20 on a GPU, 3 on the CPU)")
     p.add_argument("--seed", type=int, default=0, help="data seed (the lengths are fixed)")
     args = p.parse_args(argv)
+    if args.reps is not None and args.reps < 1:
+        p.error(f"--reps must be >= 1, got {args.reps}")
 
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -208,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     gpu = device.type == "cuda"
     w = GPU_WORKLOAD if gpu else CPU_WORKLOAD
-    reps = args.reps or (20 if gpu else 3)
+    reps = args.reps if args.reps is not None else (20 if gpu else 3)
     # (backend, dtype) of each run: the GPU run in bf16; on the CPU float32, and the Triton kernels
     # in float16 when the interpreter is on (it was chosen when Triton first decorated the kernels)
     runs = [(args.backend, torch.bfloat16 if gpu else torch.float32)]

@@ -199,6 +199,8 @@ class PrefillPlan:
 
     def _make_layer(self, q, k, v, out, lse, scales, sinks, return_lse, ws, vectors) -> LayerPlan:
         seq = self.seq
+        if isinstance(q, Tensor) and q.dim() == 3 and q.shape[-1] != seq.head_dim_qk:  # (before k is held to q)
+            raise fail("q", f"head dim {seq.head_dim_qk} (the plan's head_dim_qk)", q.shape[-1])
         q, k, v, shape = normalise.layer_tensors(q, k, v, seq.page_size > 0)
         if not normalise.same_device(q.device, self.device):
             raise fail("q", f"a tensor on the plan's device {self.device}", f"one on {q.device}")

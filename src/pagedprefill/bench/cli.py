@@ -6,6 +6,7 @@ import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 
 import torch
 
@@ -95,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--markdown", metavar="PATH", help="the summary table as markdown")
     o.add_argument("--plot", metavar="PATH", help="table mode: a PNG bar chart of TFLOP/s (needs matplotlib)")
     s = p.add_argument_group("serving mode")
-    s.add_argument("--serving", type=int, default=0, metavar="N", help="serving loop of N measured calls")
+    s.add_argument("--serving", type=int, default=None, metavar="N", help="serving loop of N measured calls")
     s.add_argument("--serving-warmup", type=int, default=50, help="warm-up calls before measuring (default 50)")
     s.add_argument("--serving-checks", type=int, default=5, help="measured calls checked for correctness")
     s.add_argument(
@@ -110,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         nargs="?",
         const=layers.DEFAULT_LAYERS,
-        default=0,
+        default=None,
         metavar="N",
         help=f"a serving engine's eager step of N layers per case (default N {layers.DEFAULT_LAYERS})",
     )
@@ -146,13 +147,25 @@ def list_everything() -> None:
 def resolve(args: argparse.Namespace, device: torch.device) -> None:
     """Check the argument combination and fill in the defaults (``backend_names``, ``workload_names``,
     ``dtype``); raises :class:`UsageError`."""
-    if args.serving and args.layers:
+    if args.serving is not None and args.layers is not None:
         raise UsageError("--serving and --layers are separate modes: give one")
-    mode = "serving" if args.serving else ("layers" if args.layers else "table")
-    if args.serving and (args.serving < 1 or args.serving_warmup < 0):
+    mode = "serving" if args.serving is not None else ("layers" if args.layers is not None else "table")
+    if args.serving is not None and (args.serving < 1 or args.serving_warmup < 0):
         raise UsageError("--serving N needs N >= 1 and --serving-warmup >= 0")
-    if args.layers and args.layers < 1:
+    if args.layers is not None and args.layers < 1:
         raise UsageError("--layers N needs N >= 1")
+    for flag, path in (("--out-json", args.out_json), ("--markdown", args.markdown), ("--plot", args.plot)):
+        if path:  # (a path that cannot be written fails now, not after the whole run)
+            target = Path(path)
+            if target.is_dir():
+                raise UsageError(f"{flag} {path}: a directory, not a file")
+            parent = target.parent if str(target.parent) else Path(".")
+            try:
+                parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise UsageError(f"{flag} {path}: cannot create its folder ({e.strerror})") from e
+            if not os.access(parent, os.W_OK):
+                raise UsageError(f"{flag} {path}: its folder is not writable")
     if args.reps is not None and args.reps < 1:
         raise UsageError("--reps must be >= 1")
     if args.plot and mode != "table":
@@ -214,7 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     130 interrupted (SIGTERM / Ctrl-C; the table of what was measured is still printed)."""
     args = parse_args(argv)
     if args.list:
-        list_everything()
+        try:
+            list_everything()
+            sys.stdout.flush()
+        except BrokenPipeError:  # (`--list | head`: the reader left; nothing more to say)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     try:
         device = resolve_device(args.device)

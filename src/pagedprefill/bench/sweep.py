@@ -367,8 +367,8 @@ def report(
             + (f", lse error {r['lse_err']:.3e}" if r.get("lse_err") is not None else "")
         )
     legend = [
-        "TF/s: FLOPs / median time (README formula); ×cuDNN / ×FA3: that system's time / this one's (> 1: "
-        "faster); host µs: host time per call, calls queued without a sync",
+        "TF/s: FLOPs (2 x (Dqk + Dvo) per visible query-key pair per query head) / median time; ×cuDNN / ×FA3: that "
+        "system's time / this one's (> 1: faster); host µs: host time per call, calls queued without a sync",
         "(bf16): the run used the bf16 data of an fp8 workload (no fp8 kernel for that call); FAILED: the "
         "output differs from the reference beyond tolerance (excluded from the geomean)",
     ]
@@ -406,4 +406,7 @@ def report(
     if failed or errors:
         say(f"!! {len(failed)} run(s) FAILED the correctness check, {len(errors)} raised: see above")
     say(tables.format_text_table(headers, rows))
-    return 130 if interrupted else (1 if failed or errors else 0)
+    measured = any(r.get("ms") for r in results)
+    if not measured and not interrupted:
+        say("!! nothing was measured: every cell was skipped (see the reasons above)")
+    return 130 if interrupted else (1 if failed or errors or not measured else 0)
