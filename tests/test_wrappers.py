@@ -183,6 +183,8 @@ def test_paged_wrapper_lse_buffer_shape_and_uncovered_rows():
     assert (lse[rows:] == 7.0).all(), "uncovered LSE rows were written"
     torch.testing.assert_close(lse[:rows].double().cpu() * math.log(2), _ref_lse_rows(case), atol=2e-5, rtol=0)
     check(case, out[:rows], None, atol=2e-5)
+    with pytest.raises(ValueError, match="^lse: expected None when return_lse=False"):  # (never ignored)
+        w.run(q, cache, lse=lse)
 
 
 def test_paged_wrapper_lse_rows_read_on_the_device_with_cuda_graphs():

@@ -22,7 +22,10 @@ beside CSR pages must equal the pages' KV lengths (checked where they are on the
 ``seq_lens`` + ``block_tables`` (FlashInfer's cudnn form, which the runs then read) the CSR pages must
 describe the same batch (checked where all of it is on the host). As in FlashInfer, ``run`` takes a
 missing ``q_scale`` / ``k_scale`` / ``v_scale`` of an 8-bit tensor as 1.0 and checks a given ``out``
-against q's rows and the planned output dtype.
+against q's rows and the planned output dtype. Unlike FlashInfer: with fp8 q and no ``o_data_type``
+the output is bfloat16 (FlashInfer's paged wrapper returns q's fp8 dtype; an fp8 output is not
+implemented here and ``o_data_type=float8`` is refused by name), and an ``lse`` buffer given with
+``return_lse=False`` is refused rather than written.
 
 Host time: pass ``qo_indptr`` / ``paged_kv_indptr`` / ``paged_kv_last_page_len`` on the CPU (as FlashInfer
 recommends); on the device, ``plan`` reads them back once unless ``max_token_per_sequence`` and
@@ -325,6 +328,8 @@ class _Wrapper:
         if window_left is not None and window_left != p.seq.window_left:
             p = self._variant(window_left=normalise.variant_args(window_left, 0.0)[0])
         lse_buf = None
+        if lse is not None and not return_lse:  # (never silently ignored)
+            raise fail("lse", "None when return_lse=False (return_lse=True fills it)", "a tensor")
         if lse is not None and return_lse:
             hq = p.seq.num_qo_heads
             if not isinstance(lse, Tensor) or tuple(lse.shape) != (q.shape[0], hq):
