@@ -149,6 +149,8 @@ class PrefillPlan:
         self.pages = pages
         self.host_pages = host_pages  # (the CPU page ids the plan validates, or None: ids on the device)
         self.device = device
+        # (with more than one GPU a run may find another one current: checked per run, see execute)
+        self._other_gpus = device.type == "cuda" and torch.cuda.device_count() > 1
         self.backend = dispatch.check_backend(backend)
         self.workspace = workspace_buffer
         self.o_data_type = o_data_type
@@ -276,7 +278,7 @@ class PrefillPlan:
         """Run ``lp`` on this call's tensors (already matched to its layout)."""
         batch = lp.batch
         dev = batch.device
-        if dev.type == "cuda" and dev.index != torch.cuda.current_device():
+        if self._other_gpus and dev.index != torch.cuda.current_device():
             # (Triton launches on the current device and its stream: the tensors' device must be it)
             with torch.cuda.device(dev):
                 return self.execute(lp, q, k, v, out, lse, scales, sinks, ws, pages, vectors)

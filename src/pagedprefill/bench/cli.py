@@ -159,7 +159,7 @@ def resolve(args: argparse.Namespace, device: torch.device) -> None:
             target = Path(path)
             if target.is_dir():
                 raise UsageError(f"{flag} {path}: a directory, not a file")
-            parent = target.parent if str(target.parent) else Path(".")
+            parent = target.parent
             try:
                 parent.mkdir(parents=True, exist_ok=True)
             except OSError as e:
