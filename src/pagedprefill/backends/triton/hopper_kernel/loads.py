@@ -187,14 +187,21 @@ def _tma_tile(
     v1_buf = bufs.v1.index(idx)
     PAGE_SIZE: gl.constexpr = geo.PAGE_SIZE
     PAGE_BOX: gl.constexpr = geo.PAGE_BOX
-    for p in gl.static_range(geo.BLOCK_N // PAGE_BOX):
+    NB: gl.constexpr = geo.BLOCK_N // PAGE_BOX
+    if PAGE_SIZE > 0:
+        # the boxes' page ids in one load, every thread holding all of them: one load latency per tile
+        # instead of one per box (each copy below needs its id in a uniform register)
+        PL: gl.constexpr = gl.BlockedLayout([NB], [32], [geo.LOAD_WARPS], [0])
+        box = gl.arange(0, NB, PL)
+        ids = gl.load(w.BT_row + (t * geo.BLOCK_N + box * PAGE_BOX) // PAGE_SIZE)
+        ids = gl.minimum(gl.maximum(ids, 0), src.num_pages - 1)
+    for p in gl.static_range(NB):
         pos = t * geo.BLOCK_N + p * PAGE_BOX
         if PAGE_SIZE == 0:
             k_row = w.k_start + pos
             v_row = w.v_start + pos
         else:
-            page = gl.load(w.BT_row + pos // PAGE_SIZE)
-            page = gl.minimum(gl.maximum(page, 0), src.num_pages - 1)
+            page = gl.sum(gl.where(box == p, ids, 0), axis=0)
             k_row = page * src.k_page_rows + pos % PAGE_SIZE
             v_row = page * src.v_page_rows + pos % PAGE_SIZE
         kr, kc = _tma_coords(k_row, w.kv_head, src.k_head_off, geo.K_HEAD_ROWS)
