@@ -163,6 +163,17 @@ def _issue_q(q_desc, slots: QSlots, w: WorkItem, r, geo: Geometry):
 
 
 @gluon.jit
+def _tile_pages(src: KVSource, w: WorkItem, t, geo: Geometry):
+    """Paged TMA: the page ids of key tile t's boxes (PAGE_BOX rows each), in one load, every load
+    thread holding all of them (clamped into the cache; boxes at or past kv_len read as page 0)."""
+    NB: gl.constexpr = geo.BLOCK_N // geo.PAGE_BOX
+    PL: gl.constexpr = gl.BlockedLayout([NB], [32], [geo.LOAD_WARPS], [0])
+    pos = t * geo.BLOCK_N + gl.arange(0, NB, PL) * geo.PAGE_BOX
+    ids = gl.load(w.BT_row + pos // geo.PAGE_SIZE, mask=pos < w.kv_len, other=0)
+    return gl.minimum(gl.maximum(ids, 0), src.num_pages - 1)
+
+
+@gluon.jit
 def _tma_tile(
     bufs,
     idx,
@@ -170,6 +181,7 @@ def _tma_tile(
     src: KVSource,
     w: WorkItem,
     t,
+    ids,
     k_desc,
     k1_desc,
     v_desc,
@@ -180,7 +192,8 @@ def _tma_tile(
 ):
     """Bulk-tensor copies of key tile t (wholly below kv_len) into slot ``idx`` of ``bufs`` (a
     :class:`KVRing` or :class:`Staging`): its K (K) and V (V) rows, PAGE_BOX rows a box (one box
-    never crosses a page), completing on ``bar`` (its byte count set by the caller)."""
+    never crosses a page; paged: the boxes' page ids ``ids``, from :func:`_tile_pages`), completing on
+    ``bar`` (its byte count set by the caller)."""
     k_buf = bufs.k.index(idx)
     k1_buf = bufs.k1.index(idx)
     v_buf = bufs.v.index(idx)
@@ -188,13 +201,7 @@ def _tma_tile(
     PAGE_SIZE: gl.constexpr = geo.PAGE_SIZE
     PAGE_BOX: gl.constexpr = geo.PAGE_BOX
     NB: gl.constexpr = geo.BLOCK_N // PAGE_BOX
-    if PAGE_SIZE > 0:
-        # the boxes' page ids in one load, every thread holding all of them: one load latency per tile
-        # instead of one per box (each copy below needs its id in a uniform register)
-        PL: gl.constexpr = gl.BlockedLayout([NB], [32], [geo.LOAD_WARPS], [0])
-        box = gl.arange(0, NB, PL)
-        ids = gl.load(w.BT_row + (t * geo.BLOCK_N + box * PAGE_BOX) // PAGE_SIZE)
-        ids = gl.minimum(gl.maximum(ids, 0), src.num_pages - 1)
+    box = gl.arange(0, NB, gl.BlockedLayout([NB], [32], [geo.LOAD_WARPS], [0]))
     for p in gl.static_range(NB):
         pos = t * geo.BLOCK_N + p * PAGE_BOX
         if PAGE_SIZE == 0:
@@ -233,7 +240,10 @@ def _stage(stg: Staging, slot, src: KVSource, w: WorkItem, t, k_desc, k1_desc, v
             mbarrier.expect(bar, geo.BLOCK_N * geo.DVO)
         else:
             mbarrier.expect(bar, geo.BLOCK_N * (geo.DQ0 + geo.DQ1 + geo.DVO))
-        _tma_tile(stg, slot, bar, src, w, t, k_desc, k1_desc, v_desc, v1_desc, geo, not geo.F8, True)
+        ids = t
+        if geo.PAGE_SIZE > 0:
+            ids = _tile_pages(src, w, t, geo)
+        _tma_tile(stg, slot, bar, src, w, t, ids, k_desc, k1_desc, v_desc, v1_desc, geo, not geo.F8, True)
     else:
         src.gather(
             stg.k.index(slot), stg.k1.index(slot), stg.v.index(slot), stg.v1.index(slot), w, t, geo, not geo.F8, True
@@ -404,6 +414,9 @@ def _load_partition(
                 if i + S8 - 1 < n_load:
                     nxt = c + i + S8 - 1
                     _stage(stg, nxt % S8, src, w, t + S8 - 1, k_desc, k1_desc, v_desc, v1_desc, geo)
+            ids = t
+            if geo.USE_TMA and geo.PAGE_SIZE > 0 and not geo.KV8:  # (loaded before the wait, under it)
+                ids = _tile_pages(src, w, t, geo)
             mbarrier.wait(ring.empty.index(s), (((c + i) // STAGES) & 1) ^ 1)
             if geo.Q_TMA:
                 if i == q_at:
@@ -422,7 +435,7 @@ def _load_partition(
                 elif (t + 1) * BLOCK_N <= w.kv_len:
                     mbarrier.expect(ring.full.index(s), BLOCK_N * (DQ0 + DQ1))
                     _tma_tile(
-                        ring, s, ring.full.index(s), src, w, t, k_desc, k1_desc, v_desc, v1_desc, geo, True, False
+                        ring, s, ring.full.index(s), src, w, t, ids, k_desc, k1_desc, v_desc, v1_desc, geo, True, False
                     )
                 else:
                     src.gather(
@@ -441,13 +454,13 @@ def _load_partition(
                     descs = (k_desc, k1_desc, v_desc, v1_desc)
                     if geo.SPLIT:
                         mbarrier.expect(ring.full.index(s), 2 * BLOCK_N * (DQ0 + DQ1))
-                        _tma_tile(ring, s, ring.full.index(s), src, w, t, *descs, geo, True, False)
+                        _tma_tile(ring, s, ring.full.index(s), src, w, t, ids, *descs, geo, True, False)
                         mbarrier.wait(ring.empty.index(STAGES + s), v_empty_phase)
                         mbarrier.expect(ring.full.index(STAGES + s), 2 * BLOCK_N * geo.DVO)
-                        _tma_tile(ring, s, ring.full.index(STAGES + s), src, w, t, *descs, geo, False, True)
+                        _tma_tile(ring, s, ring.full.index(STAGES + s), src, w, t, ids, *descs, geo, False, True)
                     else:
                         mbarrier.expect(ring.full.index(s), 2 * BLOCK_N * (DQ0 + DQ1 + geo.DVO))
-                        _tma_tile(ring, s, ring.full.index(s), src, w, t, *descs, geo, True, True)
+                        _tma_tile(ring, s, ring.full.index(s), src, w, t, ids, *descs, geo, True, True)
                 else:
                     if geo.SPLIT:  # (the tile's K and V gathered together, once V's slot is free)
                         mbarrier.wait(ring.empty.index(STAGES + s), v_empty_phase)
