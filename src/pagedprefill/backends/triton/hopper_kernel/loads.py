@@ -419,8 +419,8 @@ def _load_partition(
                     nxt = c + i + S8 - 1
                     _stage(stg, nxt % S8, src, w, t + S8 - 1, k_desc, k1_desc, v_desc, v1_desc, geo)
             ids = t
-            # 16-bit K/V: the tile's page ids loaded before the wait, their latency under it (+1-3.5% on
-            # 16-bit shapes; F8's K took 1.2% less so, its ids come after the wait, as staging's do)
+            # (16-bit K/V: the tile's page ids loaded before the wait, their latency under it; on the
+            # 8-bit paths, bound by their load warps, loading them after it measured faster: decisions.md)
             if geo.USE_TMA and geo.PAGE_SIZE > 0 and not (geo.KV8 or geo.F8):
                 ids = _tile_pages(src, w, t, geo, True)
             mbarrier.wait(ring.empty.index(s), (((c + i) // STAGES) & 1) ^ 1)
