@@ -162,14 +162,19 @@ def _issue_q(q_desc, slots: QSlots, w: WorkItem, r, geo: Geometry):
                 tma.async_copy_global_to_shared(q_desc, [tok, w.kv_head * GROUP, DQ0 + h * QB], slots.full, dst)
 
 
+@gluon.constexpr_function
+def _pages_layout(nb, warps):
+    """A tile's ``nb`` box page ids, every load thread holding all of them."""
+    return gl.BlockedLayout([nb], [32], [warps], [0])
+
+
 @gluon.jit
 def _tile_pages(src: KVSource, w: WorkItem, t, geo: Geometry, MASKED: gl.constexpr):
     """Paged TMA: the page ids of key tile t's boxes (PAGE_BOX rows each) in one load, every load
     thread holding all of them (one load latency a tile, not one a box), clamped into the cache;
     MASKED: boxes at or past kv_len (a tile that may be the gathered one) read as page 0."""
     NB: gl.constexpr = geo.BLOCK_N // geo.PAGE_BOX
-    PL: gl.constexpr = gl.BlockedLayout([NB], [32], [geo.LOAD_WARPS], [0])
-    pos = t * geo.BLOCK_N + gl.arange(0, NB, PL) * geo.PAGE_BOX
+    pos = t * geo.BLOCK_N + gl.arange(0, NB, _pages_layout(NB, geo.LOAD_WARPS)) * geo.PAGE_BOX
     if MASKED:
         ids = gl.load(w.BT_row + pos // geo.PAGE_SIZE, mask=pos < w.kv_len, other=0)
     else:
@@ -205,7 +210,7 @@ def _tma_tile(
     PAGE_SIZE: gl.constexpr = geo.PAGE_SIZE
     PAGE_BOX: gl.constexpr = geo.PAGE_BOX
     NB: gl.constexpr = geo.BLOCK_N // PAGE_BOX
-    box = gl.arange(0, NB, gl.BlockedLayout([NB], [32], [geo.LOAD_WARPS], [0]))
+    box = gl.arange(0, NB, _pages_layout(NB, geo.LOAD_WARPS))
     for p in gl.static_range(NB):
         pos = t * geo.BLOCK_N + p * PAGE_BOX
         if PAGE_SIZE == 0:
