@@ -123,15 +123,25 @@ def breakdown(name: str, p, lb) -> None:
     bound = getattr(be, "_bound", None)
     if bound:
         tensors = be._tensors(t)
-        rows["bound launch"] = lambda: bound(tensors)
-        raw = bound.raw
-        got = {}
-        bound.raw = lambda *a: (got.setdefault("a", a), raw(*a))[1]
         bound(tensors)
-        bound.raw = raw
-        args = got["a"]
-        print(f"   (raw launch: {len(args)} arguments)")
-        rows["C launch alone"] = lambda: raw(*args)
+        ptrs = tuple(x.data_ptr() for x in tensors)
+        args, block = bound.calls[ptrs]
+        stream = torch.cuda.current_stream().cuda_stream
+        g, fn = bound.grid, bound.function
+        print(f"   (raw launch: {len(args)} arguments; driver parameter block: {block is not None})")
+        rows["bound launch"] = lambda: bound(tensors)
+        rows["Triton's C launch alone"] = lambda: bound.raw(*g, stream, fn, *args)
+        if block is not None:
+            rows["cuLaunchKernel alone"] = lambda: bound.direct.launch(fn, g, stream, block)
+
+            def through_tritons_c():  # (the bound launch as it was before the driver call)
+                bound.calls[ptrs] = (args, None)
+                try:
+                    bound(tensors)
+                finally:
+                    bound.calls[ptrs] = (args, block)
+
+            rows["bound launch, Triton's C"] = through_tritons_c
     for label, fn in rows.items():
         print(f"  {name} {label:24s} {burst_us(fn):7.2f} µs")
     be.run = lambda t: None

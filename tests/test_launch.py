@@ -107,3 +107,91 @@ def test_launch_slot_binds_once_and_keys_what_else_the_binding_depends_on(monkey
     monkeypatch.setattr(launch, "bind", lambda kernel, grid, args, kwargs: None)
     unbindable.run("kernel", (1,), ("c",), {})
     assert unbindable.bound is False and not unbindable.launch(("t",))
+
+
+class FakeCompiled:
+    """What :meth:`launch.DirectLaunch.of` reads of a compiled kernel."""
+
+    def __init__(self, signature, metas, packed=(4, 1, 1024)):
+        self.packed_metadata = packed
+        self.src = type("Src", (), {"signature": signature})()
+        self.metadata = type("Meta", (), {"tensordesc_meta": metas})()
+
+
+class FakeRunner:
+    launch_cooperative_grid = False
+    launch_pdl = False
+
+
+def test_direct_launch_packs_parameters_as_the_driver_reads_them(monkeypatch):
+    import ctypes
+    import struct
+
+    launched = []
+    monkeypatch.setattr(launch, "_cu_launch_kernel", lambda: lambda *a: launched.append(a) or 0)
+    tmap = bytes(range(128))
+    monkeypatch.setattr(launch, "_tensormap_bytes", lambda obj: tmap)
+    sig = {"p": "*bf16", "n": "i32", "x": "fp32", "c": "constexpr", "d": "tensordesc<bf16[64, 32]>", "h": "bf16"}
+    sig.update(b="i1", w="i64", u="u8")
+    d = launch.DirectLaunch.of(FakeCompiled(sig, [{"swizzle": 1}]), FakeRunner())
+    assert d.threads == 128 and d.shared == 1024
+    assert d.kinds == ["Q", "i", "f", None, "tma", "i", "i", "q", "q", "bf16", "b", "q", "B"]
+    # the launcher's arguments: pointer, i32, f32, a constexpr, the descriptor (map, shape, strides), ...
+    values = (0x7F0000001230, -5, 2.5, 64, object(), 100, 32, 4096, 1, -1.75, True, -(2**40), 200)
+    addr, keep = d.pack(values)
+    ptrs = (ctypes.c_void_p * 14).from_address(addr)
+    sizes = [8, 4, 4, 128, 4, 4, 8, 8, 2, 1, 8, 1, 8, 8]
+    got = [ctypes.string_at(p, n) for p, n in zip(ptrs, sizes)]
+    want = [
+        struct.pack("<Q", 0x7F0000001230),
+        struct.pack("<i", -5),
+        struct.pack("<f", 2.5),
+        tmap,
+        struct.pack("<i", 100),
+        struct.pack("<i", 32),
+        struct.pack("<q", 4096),
+        struct.pack("<q", 1),
+        struct.pack("<f", -1.75)[2:],  # (bf16: float32's upper half)
+        b"\x01",
+        struct.pack("<q", -(2**40)),
+        bytes([200]),
+        bytes(8),  # global_scratch
+        bytes(8),  # profile_scratch
+    ]
+    assert got == want
+    assert ptrs[3] % 64 == 0  # (the CUtensorMap aligned)
+    assert d.launch(99, (3, 2, 1), 1234, (addr, keep)) == 0
+    assert launched == [(99, 3, 2, 1, 128, 1, 1, 1024, 1234, addr, None)]
+    assert d.pack(values[:-1]) is None  # (another argument count: Triton's C function)
+    assert d.pack(values[:1] + (2**40,) + values[2:]) is None  # (an i32 out of range: Triton reports it)
+
+
+def test_direct_launch_declines_what_it_does_not_pack(monkeypatch):
+    monkeypatch.setattr(launch, "_cu_launch_kernel", lambda: lambda *a: 0)
+    assert launch.DirectLaunch.of(FakeCompiled({"p": "*fp32"}, [], packed=(4, 2, 0)), FakeRunner()) is None
+    assert launch.DirectLaunch.of(FakeCompiled({"t": ("i32", "i32")}, []), FakeRunner()) is None
+    assert launch.DirectLaunch.of(FakeCompiled({"d": "tensordesc<bf16[64, 32]>"}, [None]), FakeRunner()) is None
+    coop = FakeRunner()
+    coop.launch_cooperative_grid = True
+    assert launch.DirectLaunch.of(FakeCompiled({"p": "*fp32"}, []), coop) is None
+    monkeypatch.setattr(launch, "_cu_launch_kernel", lambda: None)
+    assert launch.DirectLaunch.of(FakeCompiled({"p": "*fp32"}, []), FakeRunner()) is None
+
+
+def test_bound_launch_falls_back_to_tritons_function_where_the_driver_refuses(monkeypatch):
+    t0, t1 = torch.empty(64, dtype=torch.uint8), torch.empty(64, dtype=torch.uint8)
+    b, raw, n = bound_for(monkeypatch, (t0, t1), n_desc=0)
+    codes = []
+
+    class Direct:
+        def pack(self, values):
+            return ("block", values)
+
+        def launch(self, function, grid, stream, block):
+            codes.append(block)
+            return 201 if len(codes) > 1 else 0  # (then CUDA_ERROR_INVALID_CONTEXT)
+
+    b.direct = Direct()
+    assert b((t0, t1)) and raw.calls == []  # launched by the driver call
+    assert b((t0, t1)) and len(raw.calls) == 1  # refused: Triton's C function launches (or raises)
+    assert codes[0] == codes[1] and codes[0][1][0] == t0.data_ptr()
