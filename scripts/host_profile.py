@@ -18,6 +18,7 @@ import time
 import torch
 
 from pagedprefill.bench import cases, layers, timing
+from pagedprefill.kernels import launch
 
 
 def per_call_us(fn, n: int = 500) -> float:
@@ -127,12 +128,12 @@ def breakdown(name: str, p, lb) -> None:
         ptrs = tuple(x.data_ptr() for x in tensors)
         args, block = bound.calls[ptrs]
         stream = torch.cuda.current_stream().cuda_stream
-        g, fn = bound.grid, bound.function
+        g, func = bound.grid, bound.function
         print(f"   (raw launch: {len(args)} arguments; driver parameter block: {block is not None})")
         rows["bound launch"] = lambda: bound(tensors)
-        rows["Triton's C launch alone"] = lambda: bound.raw(*g, stream, fn, *args)
+        rows["Triton's C launch alone"] = lambda: bound.raw(*g, stream, func, *args)
         if block is not None:
-            rows["cuLaunchKernel alone"] = lambda: bound.direct.launch(fn, g, stream, block)
+            rows["cuLaunchKernel alone"] = lambda: bound.direct.launch(func, g, stream, block)
 
             def through_tritons_c():  # (the bound launch as it was before the driver call)
                 bound.calls[ptrs] = (args, None)
@@ -147,6 +148,12 @@ def breakdown(name: str, p, lb) -> None:
     be.run = lambda t: None
     print(f"  {name} {'plan.run, no backend':24s} {burst_us(lambda: p.run(q, k, v, out=out)):7.2f} µs")
     be.run = real
+    direct = launch.DirectLaunch.launch
+    launch.DirectLaunch.launch = lambda self, *a: 1  # (refused: every bound launch through Triton's C function)
+    try:
+        print(f"  {name} {'plan.run, Triton C launch':24s} {burst_us(lambda: p.run(q, k, v, out=out)):7.2f} µs")
+    finally:
+        launch.DirectLaunch.launch = direct
 
 
 def one_shot_breakdown(name: str, lb, backend: str) -> None:

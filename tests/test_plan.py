@@ -366,8 +366,10 @@ def test_gpu_plan_run_layers_with_their_own_tensors(page_size, dqk, backend, mon
         check(case, out, lse, atol=atol_for(BF16), lse_atol=2e-2)
     if backend == "cudnn":
         assert len(raw_calls) >= len(layers) - 1  # (all of them when an earlier test ran this graph)
-    elif torch.cuda.get_device_capability() == (9, 0):  # (the Hopper kernel's bound launch: cuLaunchKernel)
-        assert len(direct_calls) >= len(layers) - 1 and set(direct_calls) == {0}
+    elif torch.cuda.get_device_capability() == (9, 0):
+        # (the Hopper kernel's bound launch, through cuLaunchKernel, at least where the first layer's tensors
+        # come back; a layer at new addresses goes through Triton while its TMA descriptors are new)
+        assert direct_calls and set(direct_calls) == {0}
 
 
 @pytest.mark.gpu
