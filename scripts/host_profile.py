@@ -18,7 +18,6 @@ import time
 import torch
 
 from pagedprefill.bench import cases, layers, timing
-from pagedprefill.kernels import launch
 
 
 def per_call_us(fn, n: int = 500) -> float:
@@ -124,38 +123,20 @@ def breakdown(name: str, p, lb) -> None:
     bound = getattr(be, "_bound", None)
     if bound:
         tensors = be._tensors(t)
-        bound(tensors)
-        ptrs = tuple(x.data_ptr() for x in tensors)
-        args, block = bound.calls[ptrs]
-        stream = torch.cuda.current_stream().cuda_stream
-        g, func = bound.grid, bound.function
-        print(f"   (raw launch: {len(args)} arguments; driver parameter block: {block is not None})")
         rows["bound launch"] = lambda: bound(tensors)
-        rows["Triton's C launch alone"] = lambda: bound.raw(*g, stream, func, *args)
-        if block is not None:
-            rows["cuLaunchKernel alone"] = lambda: bound.direct.launch(func, g, stream, block)
-
-            def through_tritons_c():  # (the bound launch as it was before the driver call)
-                bound.calls[ptrs] = (args, None)
-                try:
-                    bound(tensors)
-                finally:
-                    bound.calls[ptrs] = (args, block)
-
-            rows["bound launch, Triton's C"] = through_tritons_c
+        raw = bound.raw
+        got = {}
+        bound.raw = lambda *a: (got.setdefault("a", a), raw(*a))[1]
+        bound(tensors)
+        bound.raw = raw
+        args = got["a"]
+        print(f"   (raw launch: {len(args)} arguments)")
+        rows["C launch alone"] = lambda: raw(*args)
     for label, fn in rows.items():
         print(f"  {name} {label:24s} {burst_us(fn):7.2f} µs")
     be.run = lambda t: None
     print(f"  {name} {'plan.run, no backend':24s} {burst_us(lambda: p.run(q, k, v, out=out)):7.2f} µs")
     be.run = real
-    direct = launch.DirectLaunch.launch
-    for _ in range(3):  # (alternated: the host's speed drifts within a run)
-        print(f"  {name} {'plan.run, cuLaunchKernel':24s} {burst_us(lambda: p.run(q, k, v, out=out)):7.2f} µs")
-        launch.DirectLaunch.launch = lambda self, *a: 1  # (refused: every bound launch through Triton's C function)
-        try:
-            print(f"  {name} {'plan.run, Triton C launch':24s} {burst_us(lambda: p.run(q, k, v, out=out)):7.2f} µs")
-        finally:
-            launch.DirectLaunch.launch = direct
 
 
 def one_shot_breakdown(name: str, lb, backend: str) -> None:

@@ -8,11 +8,8 @@ names the case where it was set too late.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
-import re
-import struct
 
 import torch
 
@@ -167,12 +164,6 @@ class BoundLaunch:
     is held). The argument list of each combination of addresses seen is kept too (at most
     ``CALL_CACHE``: ints only), so a layer run again with the same tensors costs one tuple lookup.
 
-    With ``direct`` (a :class:`DirectLaunch`), the kept entry also holds the kernel's parameter block
-    packed as the driver takes it, and a call is one ``cuLaunchKernel`` through ctypes: Triton's C
-    function parses every argument from Python objects at every call (about 100 at the Hopper
-    kernel: TMA descriptors expand to 7 each). A launch the driver refuses goes through Triton's C
-    function, which reports the error (or sets up the thread's context and launches).
-
     Built by :func:`bind` from a first launch through Triton. A call returns False (nothing launched)
     where this path does not apply at the time (launch hooks set, another current device, descriptor
     base addresses not seen yet); the caller then launches through Triton's path and calls
@@ -196,30 +187,16 @@ class BoundLaunch:
         "grid",
         "kernel",
         "jit_knobs",
-        "direct",
     )
 
     def __init__(
-        self,
-        raw,
-        template,
-        tensor_at,
-        aligned,
-        desc_at,
-        desc_meta,
-        device,
-        function,
-        grid,
-        kernel=None,
-        desc_base=(),
-        direct: DirectLaunch | None = None,
+        self, raw, template, tensor_at, aligned, desc_at, desc_meta, device, function, grid, kernel=None, desc_base=()
     ):
         self.raw, self.template, self.tensor_at, self.aligned = raw, template, tensor_at, aligned
         self.desc_at, self.desc_base = desc_at, tuple(desc_base)  # (desc_base: each one's base tensor's index)
         self.desc_meta, self.device, self.function, self.grid = desc_meta, device, function, grid
         self.descs: dict = {}
-        self.calls: dict = {}  # the tensors' addresses -> (the full argument tuple, parameter block or None)
-        self.direct = direct
+        self.calls: dict = {}  # the tensors' addresses -> the full argument tuple
         self.kernel = kernel  # (its pre-run hooks, when set later, need Triton's path)
         self.jit_knobs = _jit_knobs()
 
@@ -245,23 +222,18 @@ class BoundLaunch:
         if torch._C._cuda_getDevice() != self.device:
             return False
         ptrs = tuple(map(_DATA_PTR, tensors))
-        kept = self.calls.get(ptrs)
-        if kept is None:
-            kept = self._assemble(ptrs)
-            if kept is None:
+        args = self.calls.get(ptrs)
+        if args is None:
+            args = self._assemble(ptrs)
+            if args is None:
                 return False
         g = self.grid
-        stream = torch._C._cuda_getCurrentRawStream(self.device)
-        block = kept[1]
-        if block is not None and self.direct.launch(self.function, g, stream, block) == 0:
-            return True
-        self.raw(g[0], g[1], g[2], stream, self.function, *kept[0])
+        self.raw(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(self.device), self.function, *args)
         return True
 
     def _assemble(self, ptrs: tuple) -> tuple | None:
-        """``(argument tuple, parameter block or None)`` for these addresses (kept), or None where an
-        address's 16-byte alignment differs from the first launch's or a descriptor base was not
-        remembered."""
+        """The argument tuple for these addresses (kept), or None where an address's 16-byte
+        alignment differs from the first launch's or a descriptor base was not remembered."""
         args = self.template.copy()
         for i, p, aligned in zip(self.tensor_at, ptrs, self.aligned):
             if ((p & 15) == 0) != aligned:  # (Triton specialises pointers on 16-byte alignment)
@@ -275,138 +247,11 @@ class BoundLaunch:
             args[i : i + 1] = enc
         if len(self.calls) >= self.CALL_CACHE:
             self.calls.clear()
-        args = tuple(args)
-        block = self.direct.pack(args[_BASE_ARGS:]) if self.direct is not None else None
-        out = self.calls[ptrs] = (args, block)
+        out = self.calls[ptrs] = tuple(args)
         return out
 
 
 _DATA_PTR = torch.Tensor.data_ptr
-_BASE_ARGS = 8  # (cooperative, pdl, the two scratch buffers, metadata, launch metadata, the two hooks)
-# struct codes of the kernel parameters' C types, as Triton's launcher stores them (bf16: packed apart)
-_SCALARS = {
-    "i1": "b",
-    "i8": "b",
-    "i16": "h",
-    "i32": "i",
-    "i64": "q",
-    "u1": "B",
-    "u8": "B",
-    "u16": "H",
-    "u32": "I",
-    "u64": "Q",
-    "fp16": "e",
-    "fp32": "f",
-    "f32": "f",
-    "fp64": "d",
-}
-_TMA_BYTES = 128  # sizeof(CUtensorMap)
-
-
-@functools.cache
-def _cu_launch_kernel():
-    """libcuda's ``cuLaunchKernel`` through ctypes (None where libcuda cannot be opened)."""
-    try:
-        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
-    except (OSError, AttributeError):
-        return None
-    u = ctypes.c_uint
-    fn.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def _tensormap_bytes(obj) -> bytes:
-    """The 128 bytes of a Triton 3.6 ``PyCUtensorMap`` (its struct: the object header, then the
-    CUtensorMap at the next 128-byte boundary, in a 256-byte object allocated 128-byte aligned)."""
-    if type(obj).__name__ != "PyCUtensorMap" or type(obj).__basicsize__ != 2 * _TMA_BYTES:
-        raise _Uncacheable
-    return ctypes.string_at(id(obj) + _TMA_BYTES, _TMA_BYTES)
-
-
-class DirectLaunch:
-    """A compiled kernel's launch through ``cuLaunchKernel``: the C types of its parameters in
-    Triton's order (constexprs dropped, each TMA descriptor as the CUtensorMap and its shape and
-    strides, then the global and profile scratch pointers, null here), its block size and shared
-    memory. Built by :meth:`of` where the launch needs nothing else (one CTA per cluster, no
-    cooperative or programmatic launch, no scratch)."""
-
-    __slots__ = ("kinds", "threads", "shared", "fn")
-
-    def __init__(self, kinds: list, threads: int, shared: int, fn):
-        self.kinds, self.threads, self.shared, self.fn = kinds, threads, shared, fn
-
-    @classmethod
-    def of(cls, compiled, runner) -> DirectLaunch | None:
-        fn = _cu_launch_kernel()
-        num_warps, num_ctas, shared = compiled.packed_metadata
-        if fn is None or num_ctas != 1 or runner.launch_cooperative_grid or runner.launch_pdl:
-            return None
-        metas = list(getattr(compiled.metadata, "tensordesc_meta", None) or [])
-        kinds: list = []
-        n_desc = 0
-        for sig in compiled.src.signature.values():
-            if not isinstance(sig, str):
-                return None  # (tuples)
-            if sig.startswith("tensordesc"):
-                if n_desc >= len(metas) or metas[n_desc] is None:
-                    return None
-                n_desc += 1
-                m = re.match(r"tensordesc<[^[>]*\[([^]]*)\]", sig)
-                if m is None:
-                    return None
-                ndim = m.group(1).count(",") + 1
-                kinds += ["tma"] + [_SCALARS["i32"]] * ndim + [_SCALARS["i64"]] * ndim
-            elif sig == "constexpr":
-                kinds.append(None)
-            elif sig[0] == "*":
-                kinds.append("Q")
-            elif sig == "bf16":
-                kinds.append("bf16")
-            elif sig in _SCALARS:
-                kinds.append(_SCALARS[sig])
-            else:
-                return None
-        return cls(kinds, 32 * num_warps, shared, fn)
-
-    def pack(self, values: tuple):
-        """``(address, buffer)``: the parameter block for the launcher's kernel arguments ``values``
-        (their pointers as ints; the buffer keeps it alive), or None where one cannot be packed (the
-        call then takes Triton's C function, which reports what is wrong)."""
-        if len(values) != len(self.kinds):
-            return None
-        parts = []
-        try:
-            for kind, v in zip(self.kinds, values):
-                if kind is None:
-                    continue
-                if kind == "tma":
-                    parts.append((64, _tensormap_bytes(v)))
-                elif kind == "bf16":  # (Triton's pack_bf16: float32's upper half, truncated)
-                    parts.append((2, struct.pack("<f", v)[2:]))
-                elif kind == "Q":
-                    parts.append((8, struct.pack("<Q", 0 if v is None else v)))
-                else:
-                    b = struct.pack("<" + kind, v)
-                    parts.append((len(b), b))
-        except (struct.error, TypeError, OverflowError, _Uncacheable):
-            return None
-        parts += [(8, bytes(8)), (8, bytes(8))]  # (global_scratch, profile_scratch)
-        offsets, end = [], 0
-        for align, b in parts:
-            end = -(-end // align) * align
-            offsets.append(end)
-            end += len(b)
-        buf = ctypes.create_string_buffer(end + 64)
-        base = -(-ctypes.addressof(buf) // 64) * 64
-        for (_, b), off in zip(parts, offsets):
-            ctypes.memmove(base + off, b, len(b))
-        ptrs = (ctypes.c_void_p * len(parts))(*(base + off for off in offsets))
-        return ctypes.addressof(ptrs), (buf, ptrs)
-
-    def launch(self, function: int, grid: tuple, stream: int, block) -> int:
-        """``cuLaunchKernel``'s result (0: launched)."""
-        return self.fn(function, grid[0], grid[1], grid[2], self.threads, 1, 1, self.shared, stream, block[0], None)
 
 
 def _jit_knobs() -> tuple:
@@ -485,10 +330,7 @@ def bind(kernel, grid: tuple, args: tuple, kwargs: dict, desc_base: tuple = ()) 
             d.base.data_ptr() != tensors[i].data_ptr() for d, i in zip(descs, desc_base)
         ):
             return None
-        direct = DirectLaunch.of(compiled, runner)
-        return BoundLaunch(
-            raw, template, tensor_at, aligned, desc_at, desc_meta, device, fn, grid3, kernel, desc_base, direct
-        )
+        return BoundLaunch(raw, template, tensor_at, aligned, desc_at, desc_meta, device, fn, grid3, kernel, desc_base)
     except Exception:  # pragma: no cover - Triton internals other than those checked
         return None
 
