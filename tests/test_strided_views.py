@@ -50,3 +50,50 @@ def test_fused_qkv_slice_and_padded_out(backend, page_size):
     atol = 2e-2 if dtype == torch.bfloat16 else 5e-3 if dtype == torch.float16 else 1e-4
     check(case, out, lse, atol=atol, lse_atol=atol)
     assert torch.isnan(out_buf[..., d:].float()).all(), "the padding after each head was written"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("api", ["one-shot", "plan.run", "split-kv"])
+def test_strided_sinks(backend, api):
+    """sinks as every other entry of a larger tensor (stride 2), the entries between them huge: the
+    kernels must see the sinks' values, not the memory after the first one."""
+    if not _available(backend):
+        pytest.skip("triton needs a GPU or TRITON_INTERPRET=1")
+    if api == "split-kv" and backend != "triton":
+        pytest.skip("split-KV is the Triton backend's")
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float16 if backend == "triton" else torch.float32
+    hq = 6
+    case = make_case(
+        91,
+        lens_q=[5, 1, 12],
+        lens_kv=[40, 7, 12],
+        hq=hq,
+        hkv=2,
+        page_size=4,
+        dtype=dtype,
+        causal=True,
+        sinks=True,
+        device=DEVICE,
+    )
+    kw = case.kwargs
+    wide = torch.full((2 * hq,), 1e4, dtype=torch.float32, device=DEVICE)
+    wide[::2] = kw["sinks"]
+    strided = wide[::2]
+    assert strided.stride() == (2,) and torch.equal(strided, kw["sinks"])
+    atol = 2e-2 if dtype == torch.bfloat16 else 5e-3 if dtype == torch.float16 else 1e-4
+    poison(kw["out"])
+    poison(kw["lse"])
+    if api == "plan.run":
+        from helpers import plan_of
+
+        p = plan_of(case, backend)
+        for _ in range(2):  # (the second run: the layout kept from the first)
+            out, lse = p.run(kw["q"], kw["k_cache"], kw["v_cache"], kw["out"], kw["lse"], sinks=strided)
+            check(case, out, lse, atol=atol, lse_atol=atol)
+        return
+    from pagedprefill import tuning
+
+    knobs = dict(num_splits=3) if api == "split-kv" else {}
+    with tuning.override("triton", **knobs):
+        out, lse = pagedprefill.cudnn_batch_prefill_with_kv_cache(**dict(kw, sinks=strided), backend=backend)
+    check(case, out, lse, atol=atol, lse_atol=atol)

@@ -303,16 +303,16 @@ def scales(q_dtype, kv_dtype, q_scale, k_scale, v_scale, device, graph_mode) -> 
     return out
 
 
-def sinks_arg(sinks: object, hq: int, device: torch.device) -> Tensor | None:
+def sinks_arg(sinks: object, hq: int, device: torch.device) -> None:
+    """``sinks``: None, or a float32 (Hq,) tensor on q's device (any strides: a run copies a strided one)."""
     if sinks is None:
-        return None
+        return
     if not isinstance(sinks, Tensor):
         raise fail("sinks", f"a float32 tensor of shape ({hq},) (one logit per query head)", type(sinks).__name__)
     if sinks.dtype != torch.float32 or tuple(sinks.shape) != (hq,):
         raise fail("sinks", f"a float32 tensor of shape ({hq},) (one logit per query head)", describe(sinks))
     if not same_device(sinks.device, device):
         raise fail("sinks", f"a tensor on q's device {device}", f"one on {sinks.device}")
-    return sinks if sinks.is_contiguous() else sinks.contiguous()
 
 
 # --------------------------------------------------------------------------------------------
