@@ -304,6 +304,21 @@ def test_lengths_above_max(arg, limit, graph):
     assert f"{int(bad[0])} at index 0" in msg
 
 
+@pytest.mark.parametrize(
+    "arg,limit",
+    [("actual_seq_lens_q", "max_token_per_sequence"), ("actual_seq_lens_kv", "max_sequence_kv")],
+)
+def test_lengths_past_int32_within_their_bound(arg, limit):
+    """A host length of 2**31 with a bound that allows it: refused by name (the metadata is int32),
+    not an OverflowError from packing the table."""
+    kw = paged()
+    bad = kw[arg].clone().to(torch.int64)
+    bad[1] = 2**31
+    detail = re.escape("lengths <= 2147483647 (int32 metadata)")
+    msg = expect_value_error(with_(kw, **{arg: bad, limit: 2**31}), arg, detail)
+    assert f"{2**31} at index 1" in msg
+
+
 def test_kv_length_beyond_block_table_reach():
     kw = paged()  # table width 3 (ceil(9 / 4)), page size 4
     assert kw["block_tables"].shape[1] == 3

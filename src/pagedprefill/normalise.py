@@ -574,6 +574,8 @@ def _host_metadata(
                 raise fail(name, "non-negative lengths", f"{n} at index {b}")
             if n > limit:
                 raise fail(name, f"lengths <= {limit_name} = {limit}", f"{n} at index {b}")
+            if n > INT32_MAX:  # (the metadata table is int32)
+                raise fail(name, f"lengths <= {INT32_MAX} (int32 metadata)", f"{n} at index {b}")
 
     def starts(name: str) -> list[int] | None:
         t = offs.get(name)
