@@ -214,9 +214,10 @@ def check_spans(spans: Sequence[tuple[str, int, int]], written: Sequence[str]) -
                 w, o = (a, b) if a in written else (b, a)
                 raise fail(
                     w,
-                    f"a buffer that shares no memory with {o} (the call writes {w}; an overlap would "
-                    "corrupt the result)",
-                    f"{w} and {o} overlapping",
+                    f"a buffer whose memory range (first to last byte) does not meet {o}'s (the call "
+                    f"writes {w}; an overlap would corrupt the result, and interleaved views of one buffer "
+                    "count as meeting)",
+                    f"{w}'s range meeting {o}'s",
                 )
 
 
