@@ -187,6 +187,29 @@ def test_paged_wrapper_lse_buffer_shape_and_uncovered_rows():
         w.run(q, cache, lse=lse)
 
 
+@pytest.mark.parametrize("non_blocking", [True, False])
+def test_cuda_graph_buffers_are_filled_as_plan_s_non_blocking_says(non_blocking, monkeypatch):
+    """use_cuda_graph: plan copies the batch into the wrapper's buffers with FlashInfer's
+    ``non_blocking`` (False: a caller may change its pinned host arrays right after plan)."""
+    case = _case(causal=True)
+    kw = case.kwargs
+    indptr, indices, last = _csr(case)
+    w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(kw["workspace_buffer"], "HND", use_cuda_graph=True)
+    seen = []
+    real = torch.Tensor.copy_
+    monkeypatch.setattr(
+        torch.Tensor,
+        "copy_",
+        lambda self, src, non_blocking=False: seen.append(non_blocking) or real(self, src, non_blocking),
+    )
+    w.plan(
+        _qo_indptr(case), indptr, indices, last, 6, 2, 32, 4, q_data_type=F32, causal=True, non_blocking=non_blocking
+    )
+    monkeypatch.undo()
+    assert seen and set(seen) == {non_blocking}
+    check(case, w.run(kw["q"], (kw["k_cache"], kw["v_cache"])), None, atol=2e-5)
+
+
 def test_paged_wrapper_lse_rows_read_on_the_device_with_cuda_graphs():
     """use_cuda_graph: the covered rows come from the indptr buffer a later plan refills (the same
     masked conversion a replay would run)."""
@@ -205,8 +228,10 @@ def test_paged_wrapper_lse_rows_read_on_the_device_with_cuda_graphs():
 
 def test_deprecated_flashinfer_methods():
     """begin_forward, run_return_lse, forward / forward_return_lse (their causal, window, soft-cap
-    and scale replace the plan's for the call), end_forward, is_cuda_graph_enabled,
-    reset_workspace_buffer (plan again before the next run); workspace_size refused by name."""
+    and scale replace the plan's, for later runs too, as in FlashInfer, until the next plan),
+    end_forward, is_cuda_graph_enabled, reset_workspace_buffer (plan again before the next run);
+    rope_scale / rope_theta without RoPE taken (FlashInfer reads them only for ROPE_LLAMA);
+    workspace_size refused by name."""
     causal = _case(causal=True)
     kw = causal.kwargs
     indptr, indices, last = _csr(causal)
@@ -219,12 +244,14 @@ def test_deprecated_flashinfer_methods():
     torch.testing.assert_close(lse.double().cpu() * math.log(2), _ref_lse_rows(causal), atol=2e-5, rtol=0)
     capped = _case(causal=True, logits_soft_cap=5.0, window_left=4)
     check(capped, w.forward(kw["q"], cache, True, window_left=4, logits_soft_cap=5.0), None, atol=2e-5)
+    check(capped, w.run(kw["q"], cache), None, atol=2e-5)  # (a later run keeps the forward's settings)
     full = _case(causal=False)
-    o2, l2 = w.run_return_lse(kw["q"], cache)  # (the plan's own, non-causal)
+    check(full, w.forward(kw["q"], cache, sm_scale=kw["scale"], rope_scale=1.0, rope_theta=1e4), None, atol=2e-5)
+    o2, l2 = w.run_return_lse(kw["q"], cache)  # (the last forward's: not causal, no window)
     check(full, o2, None, atol=2e-5)
     torch.testing.assert_close(l2.double().cpu() * math.log(2), _ref_lse_rows(full), atol=2e-5, rtol=0)
-    with pytest.raises(NotImplementedError, match="rope_theta"):
-        w.forward(kw["q"], cache, rope_theta=1e4)
+    with pytest.raises(NotImplementedError, match="pos_encoding_mode"):
+        w.forward(kw["q"], cache, pos_encoding_mode="ROPE_LLAMA", rope_theta=1e4)
     with pytest.raises(NotImplementedError, match="workspace_size"):
         w.workspace_size(_qo_indptr(causal), indptr, indices, last, 6, 2, 32, 4)
     w.end_forward()
@@ -233,15 +260,23 @@ def test_deprecated_flashinfer_methods():
         w.run(kw["q"], cache)
     w.plan(_qo_indptr(causal), indptr, indices, last, 6, 2, 32, 4, q_data_type=F32, causal=True)
     check(causal, w.run(kw["q"], cache), None, atol=2e-5)
+    w.forward(kw["q"], cache, causal=False)
+    w.plan(_qo_indptr(causal), indptr, indices, last, 6, 2, 32, 4, q_data_type=F32, causal=True)
+    check(causal, w.run(kw["q"], cache), None, atol=2e-5)  # (a new plan's settings again)
 
 
 def test_paged_plan_checks_seq_lens_against_the_pages():
     """FlashInfer plans its KV lengths from seq_lens where given: beside CSR pages they must be the
-    pages' lengths (never ignored); fixed_split_size=-1 is FlashInfer's "off"."""
+    pages' lengths (never ignored); fixed_split_size -1 or 0 is FlashInfer's "off"; rope_scale /
+    rope_theta without RoPE are no-ops there and taken here."""
     case = _case(causal=True)
     kw = case.kwargs
     w = _paged_wrapper(case, seq_lens=torch.tensor(case.lens_kv, dtype=torch.int32), fixed_split_size=-1)
     check(case, w.run(kw["q"], (kw["k_cache"], kw["v_cache"])), None, atol=2e-5)
+    w = _paged_wrapper(case, fixed_split_size=0, rope_scale=1.0, rope_theta=1e4)
+    check(case, w.run(kw["q"], (kw["k_cache"], kw["v_cache"])), None, atol=2e-5)
+    with pytest.raises(NotImplementedError, match="fixed_split_size"):
+        _paged_wrapper(case, fixed_split_size=64)
     wrong = torch.tensor(case.lens_kv, dtype=torch.int32) + 1
     with pytest.raises(ValueError, match="^seq_lens: expected the KV lengths of the CSR pages"):
         _paged_wrapper(case, seq_lens=wrong)
@@ -329,7 +364,6 @@ def test_wrappers_random_grid(seed):
         ("plan", dict(pos_encoding_mode="ROPE_LLAMA")),
         ("plan", dict(custom_mask=torch.ones(3))),
         ("plan", dict(use_fp16_qk_reduction=True)),
-        ("plan", dict(rope_theta=1e4)),
         ("plan", dict(fixed_split_size=64)),
         ("plan", dict(disable_split_kv=True)),
         ("init", dict(jit_args=[1])),

@@ -14,7 +14,7 @@ its rows that no sequence covers are left as they are.
 
 FlashInfer's other entry points are here too: ``begin_forward`` (= ``plan``), ``run_return_lse``,
 the deprecated ``forward`` / ``forward_return_lse`` (whose causal, window, soft-cap and scale replace
-the plan's for that call; FlashInfer keeps them for later runs), ``end_forward``,
+the plan's, for later runs too, as in FlashInfer), ``end_forward``,
 ``is_cuda_graph_enabled`` and ``reset_workspace_buffer`` (plan again after it); ``workspace_size``
 raises ``NotImplementedError``. The paged cache may also take FlashInfer's page-size-1 forms (a
 tuple of 3-D ``(pages, Hkv, D)`` tensors or one 4-D ``(pages, 2, Hkv, D)`` tensor). ``seq_lens``
@@ -24,8 +24,12 @@ describe the same batch (checked where all of it is on the host). As in FlashInf
 missing ``q_scale`` / ``k_scale`` / ``v_scale`` of an 8-bit tensor as 1.0 and checks a given ``out``
 against q's rows and the planned output dtype. Unlike FlashInfer: with fp8 q and no ``o_data_type``
 the output is bfloat16 (FlashInfer's paged wrapper returns q's fp8 dtype; an fp8 output is not
-implemented here and ``o_data_type=float8`` is refused by name), and an ``lse`` buffer given with
-``return_lse=False`` is refused rather than written.
+implemented here and ``o_data_type=float8`` is refused by name), an ``lse`` buffer given with
+``return_lse=False`` is refused rather than written, a ``q`` with more rows than ``qo_indptr[-1]``
+runs (engines pad q to a CUDA graph's size; FlashInfer raises): its extra rows are left as they are
+in a caller's ``out`` and hold 0 / -inf in allocated buffers, and the ragged ``run`` applies
+``q_scale`` / ``k_scale`` / ``v_scale`` as the paged one does (FlashInfer's ragged fa2 / fa3 path
+drops them; its cudnn path applies them).
 
 Host time: pass ``qo_indptr`` / ``paged_kv_indptr`` / ``paged_kv_last_page_len`` on the CPU (as FlashInfer
 recommends); on the device, ``plan`` reads them back once unless ``max_token_per_sequence`` and
@@ -71,6 +75,14 @@ _UNPLANNED = dict(
     seq_lens_q=None,
 )
 _OUR_BACKENDS = ("auto", "cudnn", "triton", "torch")
+
+
+def _rope_unused(refused: dict, pos_encoding_mode: object) -> dict:
+    """``refused`` without rope_scale / rope_theta where no RoPE is asked for: FlashInfer reads them
+    only under pos_encoding_mode="ROPE_LLAMA" (code that passes its model's values keeps running)."""
+    if pos_encoding_mode == "NONE":
+        return {k: v for k, v in refused.items() if k not in ("rope_scale", "rope_theta")}
+    return refused
 
 
 def _refuse(**given) -> None:
@@ -130,6 +142,9 @@ class _Wrapper:
         self._bounds: tuple[int, int] | None = None
         self._batch: int | None = None
         self._dtypes: tuple = (None, None)
+        self._non_blocking = True  # (plan's non_blocking: the use_cuda_graph buffers' copies)
+        # a deprecated forward()'s causal / window / soft-cap / scale, which (as in FlashInfer) later runs keep
+        self._forwarded: dict = {}
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -172,7 +187,7 @@ class _Wrapper:
         if buf.numel() < t.numel():
             raise fail(f"{name}_buf", f"at least {t.numel()} entries for this plan", f"{buf.numel()}")
         view = buf[: t.numel()]
-        view.copy_(t.reshape(-1), non_blocking=True)
+        view.copy_(t.reshape(-1), non_blocking=self._non_blocking)
         return view
 
     def _graph_table(self, table: Tensor) -> Tensor:
@@ -186,7 +201,7 @@ class _Wrapper:
             raise fail(
                 "block_tables", f"shape {tuple(buf.shape)} (use_cuda_graph: as in the first plan)", tuple(table.shape)
             )
-        buf.copy_(table, non_blocking=True)
+        buf.copy_(table, non_blocking=self._non_blocking)
         return buf
 
     def _bounds_for(self, max_q, max_kv, lens_q_host, lens_kv_host) -> tuple[int, int]:
@@ -215,9 +230,10 @@ class _Wrapper:
         defaults, and its dtypes (``kv_data_type`` defaults to q's)."""
         refused = {name: (args[name], default) for name, default in _UNPLANNED.items()}
         refused.update({name: (args[name], None) for name in also_refused})
-        if args["fixed_split_size"] == -1:  # (FlashInfer's "off")
+        if args["fixed_split_size"] in (-1, 0):  # (FlashInfer's "off": it takes `fixed_split_size or -1`)
             refused["fixed_split_size"] = (None, None)
-        _refuse(**refused)
+        _refuse(**_rope_unused(refused, args["pos_encoding_mode"]))
+        self._non_blocking = bool(args["non_blocking"])
         q_dt = _dtype("q_data_type", args["q_data_type"])
         kv_dt = _dtype("kv_data_type", args["kv_data_type"])
         self._dtypes = (q_dt, kv_dt if kv_dt is not None else q_dt)
@@ -247,6 +263,7 @@ class _Wrapper:
             **vecs,
         )
         self._variant_plans = {}
+        self._forwarded = {}
         self._set_lse_rows(qo_indptr)
 
     def _set_lse_rows(self, qo_indptr: Tensor) -> None:
@@ -257,8 +274,10 @@ class _Wrapper:
 
     def _variant(self, **changes) -> PrefillPlan:
         """The plan with ``changes`` to its :class:`~pagedprefill.batch.Sequences` (a run's own
-        window, or a deprecated ``forward``'s causal / window / soft-cap / scale), made once."""
+        window) on top of the last deprecated ``forward``'s causal / window / soft-cap / scale, made
+        once."""
         base = self.plan_object
+        changes = {**self._forwarded, **changes}
         changes = {k: v for k, v in changes.items() if getattr(base.seq, k) != v}
         if not changes:
             return base
@@ -280,18 +299,20 @@ class _Wrapper:
     def _forward_plan(self, args: dict) -> PrefillPlan:
         """The plan a deprecated ``forward(...)`` call runs (``args``: its ``locals()``): its causal,
         window, soft-cap and scale replace the plan's."""
-        _refuse(
+        refused = dict(
             pos_encoding_mode=(args["pos_encoding_mode"], "NONE"),
             use_fp16_qk_reduction=(args["use_fp16_qk_reduction"], False),
             rope_scale=(args["rope_scale"], None),
             rope_theta=(args["rope_theta"], None),
         )
+        _refuse(**_rope_unused(refused, args["pos_encoding_mode"]))
         window_left, soft_cap = normalise.variant_args(args["window_left"], args["logits_soft_cap"])
         seq = self.plan_object.seq
         sm_scale = args["sm_scale"]
         scale = normalise.scale_arg(sm_scale) if sm_scale is not None else 1 / math.sqrt(seq.head_dim_qk)
         causal = normalise.bool_arg("causal", args["causal"])
-        return self._variant(causal=causal, window_left=window_left, logits_soft_cap=soft_cap, scale=scale)
+        self._forwarded = dict(causal=causal, window_left=window_left, logits_soft_cap=soft_cap, scale=scale)
+        return self._variant()
 
     def _run(
         self,
@@ -308,7 +329,7 @@ class _Wrapper:
         sinks,
         p: PrefillPlan | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        p = p or self.plan_object
+        p = p or (self._variant() if self._forwarded else self.plan_object)
         q_dt, kv_dt = self._dtypes
         if q_dt is not None and q.dtype != q_dt:
             raise fail("q", f"dtype {q_dt} (q_data_type of plan)", q.dtype)
@@ -559,8 +580,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         return_lse: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """FlashInfer's deprecated ``forward``: ``run`` with this call's causal / window / soft-cap /
-        scale in place of the plan's (FlashInfer keeps them for later runs too; here they hold for
-        this call)."""
+        scale in place of the plan's; later runs keep them, as in FlashInfer, until the next plan."""
         p = self._forward_plan(locals())
         k, v = self._unpack(paged_kv_cache)
         return self._run(q, k, v, None, None, return_lse, None, k_scale, v_scale, None, None, p=p)
@@ -748,7 +768,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         return_lse: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """FlashInfer's deprecated ``forward``: ``run`` with this call's causal / window / soft-cap /
-        scale in place of the plan's (for this call only)."""
+        scale in place of the plan's; later runs keep them, as in FlashInfer, until the next plan."""
         p = self._forward_plan(locals())
         if self._kv_layout == "HND":
             k, v = k.transpose(0, 1), v.transpose(0, 1)
