@@ -29,7 +29,7 @@ from helpers import (
     random_params,
     run_and_check,
 )
-from oracle import check, make_case
+from oracle import check, make_case, poison
 
 import pagedprefill
 from pagedprefill import tuning
@@ -218,6 +218,56 @@ def test_split_kv(splits, causal, variant):
     with tuning.override("triton", num_splits=splits):
         assert planned(case)[1].backend.workspace_bytes > 0
     run_and_check(case, atol_for(F16), num_splits=splits)
+
+
+@pytest.mark.parametrize("api", ["plan", "wrapper"])
+def test_disable_split_kv_keeps_one_pass_over_the_keys(api):
+    """A small grid over long keys takes split-KV by default; ``disable_split_kv=True`` (plan, or
+    FlashInfer's wrapper plan) keeps every sequence in one program: right both ways."""
+    from helpers import csr_pages, plan_of
+
+    case = make_case(
+        61,
+        lens_q=[4, 3],
+        lens_kv=[1100, 700],
+        hq=2,
+        hkv=1,
+        dqk=32,
+        page_size=16,
+        dtype=F16,
+        return_lse=api == "plan",
+        device=DEVICE,
+    )
+    kw = case.kwargs
+    for disable in (False, True):
+        if api == "plan":
+            p = plan_of(case, "triton", disable_split_kv=disable)
+            out, lse = p.run(
+                kw["q"], kw["k_cache"], kw["v_cache"], poison(kw["out"]), poison(kw["lse"]), return_lse=True
+            )
+            check(case, out, lse, atol=atol_for(F16), lse_atol=1e-3)
+        else:
+            indptr, indices, last = (torch.tensor(x, dtype=torch.int32) for x in csr_pages(case))
+            w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(kw["workspace_buffer"], "HND", backend="triton")
+            qo = torch.tensor([0, *torch.tensor(case.lens_q).cumsum(0).tolist()], dtype=torch.int32)
+            w.plan(
+                qo,
+                indptr,
+                indices,
+                last,
+                2,
+                1,
+                32,
+                16,
+                causal=kw["causal"],
+                sm_scale=kw["scale"],
+                q_data_type=F16,
+                disable_split_kv=disable,
+            )
+            check(case, w.run(kw["q"], (kw["k_cache"], kw["v_cache"])), None, atol=atol_for(F16))
+            p = w.plan_object
+        splits = next(iter(p.layers.values())).backend.splits
+        assert (splits == 1) if disable else (splits > 1)
 
 
 def test_split_kv_fp8_and_allocated_out():

@@ -365,7 +365,6 @@ def test_wrappers_random_grid(seed):
         ("plan", dict(custom_mask=torch.ones(3))),
         ("plan", dict(use_fp16_qk_reduction=True)),
         ("plan", dict(fixed_split_size=64)),
-        ("plan", dict(disable_split_kv=True)),
         ("init", dict(jit_args=[1])),
         ("init", dict(custom_mask_buf=torch.ones(3))),
         ("init", dict(backend="fa3")),

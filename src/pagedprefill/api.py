@@ -324,6 +324,7 @@ def plan(
     o_data_type: torch.dtype | None = None,
     is_cuda_graph_compatible: bool = False,
     backend: str | None = "auto",
+    disable_split_kv: bool = False,
 ) -> PrefillPlan:
     """Plan a batch once; ``plan.run(q, k_cache, v_cache, ...)`` per layer.
 
@@ -340,6 +341,9 @@ def plan(
     Args mirror :func:`cudnn_batch_prefill_with_kv_cache`; ``scale`` defaults to 1/sqrt(head_dim_qk),
     ``max_token_per_sequence`` / ``max_sequence_kv`` to the lengths' maxima when they are on the
     host (required with device lengths). ``return_lse`` sets the default of ``run``.
+    ``disable_split_kv=True`` (FlashInfer's name): no backend splits a sequence's keys across
+    programs (the Triton backend's split-KV, chosen for small grids over long keys, stays off), so a
+    row's result does not depend on how the batch around it is split.
     """
     if not isinstance(workspace_buffer, Tensor):
         raise fail(
@@ -410,6 +414,7 @@ def plan(
         workspace_buffer=ws,
         o_data_type=o_data_type,
         return_lse=return_lse,
+        split_kv=not normalise.bool_arg("disable_split_kv", disable_split_kv),
     )
     return p
 

@@ -134,8 +134,10 @@ class PrefillPlan:
         o_data_type: torch.dtype | None = None,
         return_lse: bool = False,
         host_pages: Tensor | None = None,
+        split_kv: bool = True,
     ):
         self.seq = seq
+        self.split_kv = split_kv  # (False: no backend splits a sequence's keys, whatever the workspace)
         self.vectors = vectors
         if pages is not None and pages.device.type == "cpu":
             # page ids on the CPU: the plan's own copy, made here once (as FlashInfer's plan does), so
@@ -246,9 +248,10 @@ class PrefillPlan:
             sinks is not None,
             out_allocated,
         )
-        module = dispatch.choose(batch, self.backend, ws.numel())
+        # (the scratch a backend may spend on split-KV partials: none where the plan disables it)
+        module = dispatch.choose(batch, self.backend, ws.numel() if self.split_kv else 0)
         meta_b = workspace.meta_bytes(batch.batch_size) if batch.device_metadata else 0
-        bplan = module.plan(batch, max(ws.numel() - meta_b, 0))
+        bplan = module.plan(batch, max(ws.numel() - meta_b, 0) if self.split_kv else 0)
         workspace.check_size(ws, meta_b, bplan.workspace_bytes, module.NAME)
         bounds = None
         if batch.device_metadata:

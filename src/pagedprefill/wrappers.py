@@ -71,7 +71,6 @@ _UNPLANNED = dict(
     token_pos_in_items_len=0,
     max_item_len_ptr=None,
     fixed_split_size=None,
-    disable_split_kv=False,
     seq_lens_q=None,
 )
 _OUR_BACKENDS = ("auto", "cudnn", "triton", "torch")
@@ -260,6 +259,7 @@ class _Wrapper:
             o_data_type=_dtype("o_data_type", args["o_data_type"]),
             is_cuda_graph_compatible=self._use_cuda_graph,
             backend=self._backend,
+            disable_split_kv=args["disable_split_kv"],
             **vecs,
         )
         self._variant_plans = {}
@@ -293,6 +293,7 @@ class _Wrapper:
                 workspace_buffer=base.workspace,
                 o_data_type=base.o_data_type,
                 host_pages=base.host_pages,
+                split_kv=base.split_kv,
             )
         return p
 
