@@ -194,3 +194,23 @@ def test_flashinfer_merge_state_in_place():
     assert torch.equal(v[~mask], vs[0][~mask]) and torch.equal(s[~mask], ss[0][~mask])
     with pytest.raises(ValueError, match="^mask: expected a bool tensor"):
         flashinfer.merge_state_in_place(v, s, vs[1], ss[1], mask=mask.int())
+
+
+def test_flashinfer_merge_state_in_place_names_its_own_arguments():
+    """Errors name merge_state_in_place's arguments (v, s, v_other, s_other), and an expanded v (its
+    rows share memory, so it cannot be written in place) is refused by name, nothing written."""
+    from pagedprefill import flashinfer
+
+    vs, ss = _states(2, dtype=torch.float16, seed=8)
+    v, s = vs[0].clone(), ss[0].clone()
+    with pytest.raises(ValueError, match=r"^v_other: expected shape .* \(as v\)"):
+        flashinfer.merge_state_in_place(v, s, vs[1].float(), ss[1])
+    with pytest.raises(ValueError, match="^s_other: expected dtype float32"):
+        flashinfer.merge_state_in_place(v, s, vs[1], ss[1].double())
+    with pytest.raises(ValueError, match="^s: expected dtype float32"):
+        flashinfer.merge_state_in_place(v, s.double(), vs[1], ss[1])
+    wide = v[:1].expand_as(v)
+    before = wide.clone()
+    with pytest.raises(ValueError, match="^v: expected a tensor without overlapping elements"):
+        flashinfer.merge_state_in_place(wide, s, vs[1], ss[1])
+    assert torch.equal(wide, before)

@@ -110,3 +110,21 @@ def test_plan_run_compiled_fullgraph_matches_oracle():
 
     out, lse = layer(kw["q"], kw["k_cache"], kw["v_cache"], kw["out"], kw["lse"])
     check(case, out, lse, atol=ATOL, lse_atol=ATOL)
+
+
+def test_ops_take_the_eager_functions_arguments():
+    """Float scales (as the eager one-shot call and plan.run take them), and the eager checks of
+    causal / window_left ahead of the op's schema (which would turn causal=1 into True)."""
+    case = _case(71, page_size=4, lens_q=[3, 2], lens_kv=[6, 4])
+    kw = dict(case.kwargs)
+    out, lse = ops.batch_prefill_with_kv_cache(**dict(kw, k_scale=1.0, v_scale=1.0))
+    check(case, out, lse, atol=ATOL, lse_atol=ATOL)
+    p = plan_of(case, "torch" if DEVICE == "cpu" else "auto")
+    out, lse = ops.plan_run(p, kw["q"], kw["k_cache"], kw["v_cache"], kw["out"], kw["lse"], k_scale=1.0)
+    check(case, out, lse, atol=ATOL, lse_atol=ATOL)
+    with pytest.raises(ValueError, match="^causal: expected a bool"):
+        ops.batch_prefill_with_kv_cache(**dict(kw, causal=1))
+    with pytest.raises(ValueError, match="^window_left: expected an int"):
+        ops.batch_prefill_with_kv_cache(**dict(kw, window_left=2.5))
+    with pytest.raises(ValueError, match="^k_scale: expected a finite scale"):
+        ops.batch_prefill_with_kv_cache(**dict(kw, k_scale=float("inf")))

@@ -130,15 +130,24 @@ def merge_state(
     Returns:
         (v, s): (tokens, H, D) in v_a's dtype and (tokens, H) float32, in the same base.
     """
-    _check_state("v_a", v_a, "s_a", s_a, False)
-    _check_state("v_b", v_b, "s_b", s_b, False)
+    return merge_pair(v_a, s_a, v_b, s_b, _base2(lse_base))
+
+
+def merge_pair(
+    v_a: Tensor, s_a: Tensor, v_b: Tensor, s_b: Tensor, base2: bool, names: tuple = ("v_a", "s_a", "v_b", "s_b")
+) -> tuple[Tensor, Tensor]:
+    """:func:`merge_state` (``base2``: the LSEs' base is 2), its errors naming the arguments by
+    ``names`` (the caller's own names for them)."""
+    nva, nsa, nvb, nsb = names
+    _check_state(nva, v_a, nsa, s_a, False)
+    _check_state(nvb, v_b, nsb, s_b, False)
     if v_b.shape != v_a.shape or v_b.dtype != v_a.dtype or v_b.device != v_a.device:
         raise fail(
-            "v_b",
-            f"shape {tuple(v_a.shape)}, dtype {v_a.dtype}, device {v_a.device} (as v_a)",
+            nvb,
+            f"shape {tuple(v_a.shape)}, dtype {v_a.dtype}, device {v_a.device} (as {nva})",
             f"shape {tuple(v_b.shape)}, dtype {v_b.dtype}, device {v_b.device}",
         )
-    return _merge([(v_a, s_a), (v_b, s_b)], False, _base2(lse_base))
+    return _merge([(v_a, s_a), (v_b, s_b)], False, base2)
 
 
 def merge_states(v: Tensor, s: Tensor, *, lse_base: str | int = "e") -> tuple[Tensor, Tensor]:

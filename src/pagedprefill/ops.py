@@ -108,6 +108,22 @@ def _out_like(q: object, v_cache: object, o_data_type, out: object) -> torch.dty
     return dtype
 
 
+def _scale_operand(name: str, s: object, device: torch.device) -> object:
+    """A q / k / v scale as the op's schema takes it: a float (as the eager functions take it) as a
+    one-element float32 tensor; tensors and None as they are (checked inside the op)."""
+    if isinstance(s, bool) or not isinstance(s, (int, float)):
+        return s
+    if not math.isfinite(s):
+        raise fail(name, "a finite scale", s)
+    return torch.full((1,), float(s), dtype=torch.float32, device=device)
+
+
+def _scales(q: Tensor, q_scale: object, k_scale: object, v_scale: object) -> tuple:
+    return tuple(
+        _scale_operand(n, x, q.device) for n, x in zip(("q_scale", "k_scale", "v_scale"), (q_scale, k_scale, v_scale))
+    )
+
+
 def batch_prefill_with_kv_cache(
     q: Tensor,
     k_cache: Tensor,
@@ -122,9 +138,9 @@ def batch_prefill_with_kv_cache(
     block_tables: Tensor | None = None,
     causal: bool,
     return_lse: bool,
-    q_scale: Tensor | None = None,
-    k_scale: Tensor | None = None,
-    v_scale: Tensor | None = None,
+    q_scale: Tensor | float | None = None,
+    k_scale: Tensor | float | None = None,
+    v_scale: Tensor | float | None = None,
     batch_offsets_q: Tensor | None = None,
     batch_offsets_o: Tensor | None = None,
     batch_offsets_k: Tensor | None = None,
@@ -140,7 +156,8 @@ def batch_prefill_with_kv_cache(
     logits_soft_cap: float = 0.0,
     sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """:func:`pagedprefill.batch_prefill_with_kv_cache` through the custom op (same arguments).
+    """:func:`pagedprefill.batch_prefill_with_kv_cache` through the custom op (same arguments,
+    checked as there; float scales reach the op as one-element float32 tensors).
 
     Outputs not given are allocated here: out (q rows, Hq, Dvo) zero-filled; lse (B,
     max_token_per_sequence, Hq), or (q rows, Hq) with ``batch_offsets_stats``, filled with -inf.
@@ -148,6 +165,12 @@ def batch_prefill_with_kv_cache(
     if lse is not None and not return_lse:  # (as the eager function: never silently ignored)
         raise fail("lse", "None when return_lse=False", "a tensor")
     dtype = _out_like(q, v_cache, o_data_type, out)
+    # (checked before the op's schema converts them: an int causal or a float window would pass it)
+    if not isinstance(causal, torch.SymBool):
+        causal = normalise.bool_arg("causal", causal)
+    if not isinstance(window_left, torch.SymInt) and not isinstance(logits_soft_cap, torch.SymFloat):
+        window_left, logits_soft_cap = normalise.variant_args(window_left, logits_soft_cap)
+    q_scale, k_scale, v_scale = _scales(q, q_scale, k_scale, v_scale)
     if out is None:
         out = torch.zeros((q.shape[0], q.shape[1], v_cache.shape[-1]), dtype=dtype, device=q.device)
     if return_lse and lse is None:
@@ -232,9 +255,9 @@ def plan_run(
     out: Tensor | None = None,
     lse: Tensor | None = None,
     *,
-    q_scale: Tensor | None = None,
-    k_scale: Tensor | None = None,
-    v_scale: Tensor | None = None,
+    q_scale: Tensor | float | None = None,
+    k_scale: Tensor | float | None = None,
+    v_scale: Tensor | float | None = None,
     sinks: Tensor | None = None,
     return_lse: bool | None = None,
 ) -> tuple[Tensor, Tensor | None]:
@@ -244,6 +267,7 @@ def plan_run(
     pid = plan.op_id
     seq = plan.seq
     dtype = _out_like(q, v_cache, plan.o_data_type, out)
+    q_scale, k_scale, v_scale = _scales(q, q_scale, k_scale, v_scale)
     if out is None:
         rows = normalise.alloc_rows(seq, q.shape[0], "o")
         out = torch.zeros((rows, q.shape[1], v_cache.shape[-1]), dtype=dtype, device=q.device)
