@@ -919,7 +919,9 @@ class _CountingLaunch:
         return lambda *args, **kw: self.launches.append((grid, kw))
 
 
-@pytest.mark.parametrize("triton_path", [True, False], ids=["triton", "torch-ops"])
+@pytest.mark.parametrize(
+    "triton_path", [pytest.param(True, marks=pytest.mark.needs_triton), False], ids=["triton", "torch-ops"]
+)
 @pytest.mark.parametrize("device_path", [False, True], ids=["host-lengths", "device-lengths"])
 def test_per_run_device_work_is_fixed_and_independent_of_batch(emulated, device_path, triton_path, monkeypatch):
     """The host cost of a run is dominated by its launches: run() issues a fixed handful, none per

@@ -245,6 +245,7 @@ def test_cpu_bench_end_to_end(tmp_path, capsys):
     assert "[24/24] cpu_fp8_b2_q64 fa2-varlen ..." in cap.err  # progress on stderr
 
 
+@pytest.mark.needs_triton
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter path")
 def test_cpu_triton_under_the_interpreter_uses_fp16(tmp_path, capsys):
     from pagedprefill.kernels import launch

@@ -541,6 +541,7 @@ def test_max_values(arg, bad):
     expect_value_error(with_(paged(), **{arg: bad}), arg)
 
 
+@pytest.mark.needs_triton
 def test_workspace_too_small_says_how_many_bytes():
     """Split-KV partials (forced) need scratch; the error says how many bytes, and that number works."""
     case = base_case(bits=False, dtype=F16)

@@ -135,6 +135,7 @@ def test_run_checks_a_float_scale_at_every_run():
     assert torch.equal(kw["out"].view(torch.uint8), before.view(torch.uint8))
 
 
+@pytest.mark.needs_triton
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the portable kernel's split count, in the CPU interpreter")
 def test_a_knob_override_replans_a_layout():
     """A layout planned under other backend knobs (``pagedprefill.tuning``) is planned again."""

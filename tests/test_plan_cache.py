@@ -264,6 +264,7 @@ def test_cached_plans_pin_no_caller_buffer(normalise_calls, page_size):
     assert [r for r in refs if r() is not None] == []
 
 
+@pytest.mark.needs_triton
 def test_triton_knob_overrides_invalidate_cached_calls(normalise_calls):
     a = make_case(13, **dict(RAGGED, dtype=F16))
     cudnn_batch_prefill_with_kv_cache(**a.kwargs, backend="triton")

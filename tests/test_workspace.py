@@ -31,6 +31,7 @@ def _adversarial(rng: random.Random, n: int, scale: int, dtype: torch.dtype) -> 
     return t
 
 
+@pytest.mark.needs_triton
 @pytest.mark.skipif(HAS_CUDA, reason="runs the kernel in the CPU interpreter")
 @pytest.mark.parametrize("seed", range(30))
 def test_device_metadata_kernel_matches_its_torch_definition(seed):

@@ -19,6 +19,7 @@ Exit status: 0 when every error is within tolerance, 1 otherwise, 2 when the bac
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import statistics
@@ -214,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     # (backend, dtype) of each run: the GPU run in bf16; on the CPU float32, and the Triton kernels
     # in float16 when the interpreter is on (it was chosen when Triton first decorated the kernels)
     runs = [(args.backend, torch.bfloat16 if gpu else torch.float32)]
-    if not gpu and os.environ.get("TRITON_INTERPRET") == "1" and args.backend in ("auto", "torch"):
+    interpret = not gpu and os.environ.get("TRITON_INTERPRET") == "1" and args.backend in ("auto", "torch")
+    has_triton = importlib.util.find_spec("triton") is not None
+    if interpret and has_triton:
         runs.append(("triton", torch.float16))
 
     q_lens, kv_lens = wl.lengths(w)
@@ -233,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run_one(w, device, dtype, backend, args.seed, reps))
     if not gpu:
         print(f"note:        CPU run (smaller batch). {GPU_HINT}")
-        if os.environ.get("TRITON_INTERPRET") != "1":
+        if interpret and not has_triton:
+            print('note:        TRITON_INTERPRET=1 is set but Triton is not installed: pip install -e ".[triton]"')
+        elif os.environ.get("TRITON_INTERPRET") != "1":
             print("note:        with TRITON_INTERPRET=1 set before the start, the Triton kernels run too")
     if any(r is None for r in results):
         return 2

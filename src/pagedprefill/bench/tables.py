@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import textwrap
 from pathlib import Path
 
 from .common import CPU_NOTE, fmt, say, short
@@ -192,7 +193,8 @@ def write_plot(path: str | Path, results: list[dict], backends: list[str], title
 
     workloads = list(dict.fromkeys(r["workload"] for r in results))
     by = {(r["workload"], r["backend"]): r.get("tflops") for r in results if _ran(r)}
-    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(workloads) + 2), 5))
+    fig_w = max(8, 1.3 * len(workloads) + 2)
+    fig, ax = plt.subplots(figsize=(fig_w, 5))
     width = 0.8 / max(1, len(backends))
     for i, be in enumerate(backends):
         xs = [j + (i - (len(backends) - 1) / 2) * width for j in range(len(workloads))]
@@ -200,12 +202,14 @@ def write_plot(path: str | Path, results: list[dict], backends: list[str], title
         bars = ax.bar(xs, ys, width, label=LABELS.get(be, be))
         for b, y in zip(bars, ys):
             if y:
-                ax.annotate(f"{y:.0f}", (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom", fontsize=7)
+                label = f"{y:.0f}" if y >= 10 else f"{y:.2g}"  # (CPU runs read thousandths)
+                ax.annotate(label, (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(workloads)))
     ax.set_xticklabels(workloads, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("TFLOP/s (median)")
-    ax.set_title(title, fontsize=10)
-    top = max([y for y in by.values() if y] + [1.0])
+    wrapped = "\n".join(textwrap.fill(line, width=int(fig_w * 11)) for line in title.split("\n"))
+    ax.set_title(wrapped, fontsize=10)  # (long titles wrapped, their own lines kept)
+    top = max([y for y in by.values() if y] or [1.0])
     ax.set_ylim(0, top * 1.2)  # room for the legend above the bars
     ax.legend(fontsize=8, ncol=max(1, len(backends)), loc="upper left")
     ax.grid(axis="y", alpha=0.3)
