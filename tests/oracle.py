@@ -377,10 +377,12 @@ def reference_rows(case: Case, rows: list[tuple[int, int]]) -> dict[tuple[int, i
                 s = torch.cat([s, sinks.cpu().to(torch.float64).view(hq, 1)], dim=1)
             if s.shape[1] > 0:
                 m = s.max(dim=1, keepdim=True).values
+                m = torch.where(m == -math.inf, 0.0, m)  # (a head with only a -inf sink: no mass at all)
                 p = torch.exp(s - m)
                 denom = p.sum(dim=1, keepdim=True)
                 n = hi - max(lo, 0) if hi > lo else 0
-                o = torch.einsum("hj,jhd->hd", (p / denom)[:, :n], vh[lo : lo + n])
-                lse = (m + torch.log(denom)).squeeze(1)
+                w = torch.where(denom > 0, p / torch.where(denom > 0, denom, 1.0), 0.0)
+                o = torch.einsum("hj,jhd->hd", w[:, :n], vh[lo : lo + n])
+                lse = torch.where(denom > 0, m + torch.log(torch.where(denom > 0, denom, 1.0)), -math.inf).squeeze(1)
             result[(b, i)] = (o, lse)
     return result

@@ -7,6 +7,7 @@ sequences, CUDA-graph replays, no recompilation and no host sync.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import subprocess
@@ -268,6 +269,28 @@ def test_disable_split_kv_keeps_one_pass_over_the_keys(api):
             p = w.plan_object
         splits = next(iter(p.layers.values())).backend.splits
         assert (splits == 1) if disable else (splits > 1)
+
+
+@pytest.mark.parametrize("splits", [None, 2])
+def test_a_minus_inf_sink_is_no_sink(splits):
+    """A sink of -inf on one head ("no sink there"): its rows with no visible key get out 0 and lse
+    -inf, not NaN (the sink and the row's max both -inf); its other rows as without a sink."""
+    case = make_case(
+        63,
+        lens_q=[1, 2, 5],
+        lens_kv=[0, 1, 9],
+        hq=2,
+        hkv=1,
+        dqk=64,
+        page_size=4,
+        dtype=F16,
+        causal=True,
+        sinks=True,
+        device=DEVICE,
+    )
+    case.kwargs["sinks"][0] = -math.inf
+    knobs = dict(num_splits=splits) if splits else {}
+    run_and_check(case, atol_for(F16), **knobs)
 
 
 def test_split_kv_fp8_and_allocated_out():

@@ -435,11 +435,14 @@ def prefill_kernel(
 
         if HAS_SINKS and not SPLIT:  # the sink joins the denominator (m_i, l_i, acc share one max)
             sink2 = tl.load(SINKS + head) * LOG2E
+            # (a -inf sink over a row with no key: m_f is -inf too; 0 in its place keeps 0 / -inf)
             m_f = tl.maximum(m_i, sink2)
+            m_f = tl.where(m_f == float("-inf"), 0.0, m_f)
             a = tl.math.exp2(m_i - m_f)
             l_f = l_i * a + tl.math.exp2(sink2 - m_f)
-            inv_l = a / l_f
-            lse2 = m_f + tl.math.log2(l_f)
+            has_mass = l_f > 0.0
+            inv_l = tl.where(has_mass, a / tl.where(has_mass, l_f, 1.0), 0.0)
+            lse2 = tl.where(has_mass, m_f + tl.math.log2(tl.where(has_mass, l_f, 1.0)), float("-inf"))
         else:
             has_key = l_i > 0.0
             inv_l = tl.where(has_key, 1.0 / tl.where(has_key, l_i, 1.0), 0.0)

@@ -438,11 +438,14 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
 
         if geo.SINKS:  # the sink joins the denominator: out = acc / (l + e^sink), lse = log(l + e^sink)
             sink2 = gl.load(out.SINKS + (w.kv_head * GROUP + rows_s % GROUP)) * 1.4426950408889634
+            # (a -inf sink over a row with no key: m_f is -inf too; 0 in its place keeps 0 / -inf)
             m_f = gl.maximum(m_i, sink2)
+            m_f = gl.where(m_f == float("-inf"), 0.0, m_f)
             a = gl.exp2(m_i - m_f)
             l_f = l_i * a + gl.exp2(sink2 - m_f)
-            inv_l = a / l_f
-            lse2 = m_f + gl.log2(l_f)
+            has_mass = l_f > 0.0
+            inv_l = gl.where(has_mass, a / gl.where(has_mass, l_f, 1.0), 0.0)
+            lse2 = gl.where(has_mass, m_f + gl.log2(gl.where(has_mass, l_f, 1.0)), float("-inf"))
         else:
             has_key = l_i > 0.0
             inv_l = gl.where(has_key, 1.0 / gl.where(has_key, l_i, 1.0), 0.0)
