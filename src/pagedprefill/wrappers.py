@@ -43,7 +43,6 @@ the first plan to set those bounds).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 
@@ -409,8 +408,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         custom_mask_buf: Tensor | None = None,
         mask_indptr_buf: Tensor | None = None,
         backend: str = "auto",
-        jit_args=None,
-        jit_kwargs=None,
+        jit_args: object = None,
+        jit_kwargs: object = None,
     ) -> None:
         buffers = dict(
             qo_indptr=qo_indptr_buf,
@@ -451,9 +450,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         logits_soft_cap: float | None = None,
         rope_scale: float | None = None,
         rope_theta: float | None = None,
-        q_data_type="float16",
-        kv_data_type=None,
-        o_data_type=None,
+        q_data_type: str | torch.dtype = "float16",
+        kv_data_type: str | torch.dtype | None = None,
+        o_data_type: str | torch.dtype | None = None,
         non_blocking: bool = True,
         prefix_len_ptr: Tensor | None = None,
         token_pos_in_items_ptr: Tensor | None = None,
@@ -532,16 +531,16 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         q: Tensor,
         paged_kv_cache: Tensor | tuple[Tensor, Tensor],
         *args,
-        q_scale=None,
-        k_scale=None,
-        v_scale=None,
+        q_scale: Tensor | float | None = None,
+        k_scale: Tensor | float | None = None,
+        v_scale: Tensor | float | None = None,
         out: Tensor | None = None,
         lse: Tensor | None = None,
         return_lse: bool = False,
         enable_pdl: bool | None = None,
         window_left: int | None = None,
         sinks: Tensor | None = None,
-        kv_cache_sf=None,
+        kv_cache_sf: object = None,
         skip_softmax_threshold_scale_factor: float | None = None,
         use_fp16_softmax: bool | None = None,
         uses_spcompress: bool | None = None,
@@ -562,7 +561,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         k, v = self._unpack(paged_kv_cache)
         return self._run(q, k, v, out, lse, return_lse, q_scale, k_scale, v_scale, window_left, sinks)
 
-    run_return_lse = functools.partialmethod(run, return_lse=True)
+    def run_return_lse(self, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """FlashInfer's ``run_return_lse``: :meth:`run` with ``return_lse=True`` (out, base-2 lse)."""
+        return self.run(*args, return_lse=True, **kwargs)
 
     def forward(
         self,
@@ -571,8 +572,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         causal: bool = False,
         pos_encoding_mode: str = "NONE",
         use_fp16_qk_reduction: bool = False,
-        k_scale=None,
-        v_scale=None,
+        k_scale: Tensor | float | None = None,
+        v_scale: Tensor | float | None = None,
         window_left: int = -1,
         logits_soft_cap: float | None = None,
         sm_scale: float | None = None,
@@ -586,7 +587,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         k, v = self._unpack(paged_kv_cache)
         return self._run(q, k, v, None, None, return_lse, None, k_scale, v_scale, None, None, p=p)
 
-    forward_return_lse = functools.partialmethod(forward, return_lse=True)
+    def forward_return_lse(self, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """FlashInfer's deprecated ``forward_return_lse``: :meth:`forward` with ``return_lse=True``."""
+        return self.forward(*args, return_lse=True, **kwargs)
 
     def workspace_size(self, *args, **kwargs):
         """FlashInfer's ``workspace_size``: not implemented; ``plan``/``run`` name the bytes a
@@ -639,8 +642,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         custom_mask_buf: Tensor | None = None,
         mask_indptr_buf: Tensor | None = None,
         backend: str = "auto",
-        jit_args=None,
-        jit_kwargs=None,
+        jit_args: object = None,
+        jit_kwargs: object = None,
     ) -> None:
         buffers = dict(qo_indptr=qo_indptr_buf, kv_indptr=kv_indptr_buf)
         super().__init__(
@@ -673,9 +676,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         sm_scale: float | None = None,
         rope_scale: float | None = None,
         rope_theta: float | None = None,
-        q_data_type="float16",
-        kv_data_type=None,
-        o_data_type=None,
+        q_data_type: str | torch.dtype = "float16",
+        kv_data_type: str | torch.dtype | None = None,
+        o_data_type: str | torch.dtype | None = None,
         non_blocking: bool = True,
         prefix_len_ptr: Tensor | None = None,
         token_pos_in_items_ptr: Tensor | None = None,
@@ -726,15 +729,15 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         k: Tensor,
         v: Tensor,
         *args,
-        q_scale=None,
-        k_scale=None,
-        v_scale=None,
-        o_scale=None,
+        q_scale: Tensor | float | None = None,
+        k_scale: Tensor | float | None = None,
+        v_scale: Tensor | float | None = None,
+        o_scale: float | None = None,
         out: Tensor | None = None,
         lse: Tensor | None = None,
         return_lse: bool = False,
         enable_pdl: bool | None = None,
-        kv_cache_sf=None,
+        kv_cache_sf: object = None,
         window_left: int | None = None,
         sinks: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
@@ -751,7 +754,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
             k, v = k.transpose(0, 1), v.transpose(0, 1)
         return self._run(q, k, v, out, lse, return_lse, q_scale, k_scale, v_scale, window_left, sinks)
 
-    run_return_lse = functools.partialmethod(run, return_lse=True)
+    def run_return_lse(self, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """FlashInfer's ``run_return_lse``: :meth:`run` with ``return_lse=True`` (out, base-2 lse)."""
+        return self.run(*args, return_lse=True, **kwargs)
 
     def forward(
         self,
@@ -775,7 +780,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
             k, v = k.transpose(0, 1), v.transpose(0, 1)
         return self._run(q, k, v, None, None, return_lse, None, None, None, None, None, p=p)
 
-    forward_return_lse = functools.partialmethod(forward, return_lse=True)
+    def forward_return_lse(self, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """FlashInfer's deprecated ``forward_return_lse``: :meth:`forward` with ``return_lse=True``."""
+        return self.forward(*args, return_lse=True, **kwargs)
 
 
 def _check_indptr(name: str, indptr: Tensor) -> None:
