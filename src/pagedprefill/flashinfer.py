@@ -47,10 +47,10 @@ def merge_state_in_place(v: Tensor, s: Tensor, v_other: Tensor, s_other: Tensor,
     """FlashInfer's ``merge_state_in_place``: ``(v, s)`` becomes its merge with ``(v_other, s_other)``
     (base-2 LSEs; v (tokens, H, D), s (tokens, H) float32); with ``mask`` ((tokens,) bool), only
     the rows where it is True (a CUDA graph's fixed shapes with fewer live rows)."""
-    merged_v, merged_s = _merge.merge_pair(v, s, v_other, s_other, True, ("v", "s", "v_other", "s_other"))
     for name, t in (("v", v), ("s", s)):  # (written in place: every element its own memory)
-        if internal_overlap(t):
+        if isinstance(t, Tensor) and internal_overlap(t):
             raise fail(name, "a tensor without overlapping elements (it is written in place)", f"strides {t.stride()}")
+    merged_v, merged_s = _merge.merge_pair(v, s, v_other, s_other, True, ("v", "s", "v_other", "s_other"))
     if mask is None:
         v.copy_(merged_v)
         s.copy_(merged_s)

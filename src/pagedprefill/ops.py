@@ -25,7 +25,7 @@ from torch import Tensor
 
 from pagedprefill import api, normalise
 from pagedprefill.batch import fail
-from pagedprefill.prefill_plan import PLANS, PrefillPlan
+from pagedprefill.prefill_plan import PLANS, PrefillPlan, _device_scale
 
 __all__ = ["batch_prefill_with_kv_cache", "plan_run"]
 
@@ -115,7 +115,7 @@ def _scale_operand(name: str, s: object, device: torch.device) -> object:
         return s
     if not math.isfinite(s):
         raise fail(name, "a finite scale", s)
-    return torch.full((1,), float(s), dtype=torch.float32, device=device)
+    return _device_scale(s, device)
 
 
 def _scales(q: Tensor, q_scale: object, k_scale: object, v_scale: object) -> tuple:

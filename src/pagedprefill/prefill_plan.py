@@ -295,7 +295,7 @@ class PrefillPlan:
             for name, x in zip(("q_scale", "k_scale", "v_scale"), scales):
                 if type(x) is float and not math.isfinite(x):
                     raise fail(name, "a finite scale", x)
-        if sinks is not None and sinks.stride(0) != 1 and sinks.shape[0] > 1:
+        if sinks is not None and not sinks.is_contiguous():
             sinks = sinks.contiguous()  # (every backend reads the sinks as one contiguous row of Hq floats)
         if vectors is self.vectors:
             vec_names, vec_tensors = self._vector_names, self._vector_tensors
