@@ -3,7 +3,8 @@
 off, so that every tensor is its own allocation and any access outside one is reported.
 
 Paths: the Hopper kernel (TMA and cp.async K/V, fp8 K/V through its staging slots, Q by TMA and by
-the consumers, static and dynamic scheduling, window / soft-cap / sinks), the portable kernel (paged,
+the consumers, static and dynamic scheduling, a last round split into shares and their merge,
+window / soft-cap / sinks), the portable kernel (paged,
 ragged, split-KV, fp8, D 96 / 256, CSR pages), the device metadata kernel (device lengths and
 offsets, untrusted values), the cuDNN preparation kernel and graph, and the merge kernel.
 """
@@ -27,9 +28,12 @@ BF16, F16, E4M3 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
 
 def compare(case, backend: str, knobs: dict | None, atol: float) -> None:
     """Run the case on ``backend`` and check it against the float64 oracle (which also checks that
-    rows outside every sequence kept their poison)."""
+    rows outside every sequence kept their poison). ``knobs``: Triton knobs, and the Hopper kernel's
+    under the key ``"hopper_knobs"``."""
+    knobs = dict(knobs or {})
+    hopper = knobs.pop("hopper_knobs", {})
     for _ in range(2):  # (the second call: cuDNN's raw execution, Triton's bound launch)
-        with tuning.override("triton", **(knobs or {})):
+        with tuning.override("triton", **knobs), tuning.override("hopper", **hopper):
             out, lse = pagedprefill.cudnn_batch_prefill_with_kv_cache(**case.kwargs, backend=backend)
         torch.cuda.synchronize()
         check(case, out, lse, atol=atol, lse_atol=max(atol, 2e-2))
@@ -46,6 +50,18 @@ def main() -> int:
         ("hopper d96 page1 cp.async gqa3", dict(dqk=96, page_size=1, dtype=F16, hq=6, hkv=2), "triton", None),
         ("hopper d256 paged16 tma", dict(dqk=256, page_size=16, dtype=BF16), "triton", None),
         ("hopper d256 ragged", dict(dqk=256, page_size=0, dtype=F16), "triton", None),
+        (
+            "hopper shares of the last round",
+            dict(dqk=128, page_size=16, dtype=BF16),
+            "triton",
+            dict(num_splits=1, hopper_knobs=dict(dynamic=0, shares=3)),
+        ),
+        (
+            "hopper shares d256 ragged",
+            dict(dqk=256, page_size=0, dtype=F16),
+            "triton",
+            dict(num_splits=1, hopper_knobs=dict(dynamic=0, shares=2)),
+        ),
         (
             "hopper window softcap sinks",
             dict(dqk=128, page_size=16, dtype=BF16, window_left=40, logits_soft_cap=30.0, sinks=True),

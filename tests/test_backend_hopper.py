@@ -401,6 +401,44 @@ def test_tma_plan_for_mla_boxes_key_columns_in_two_parts():
         assert last_col <= k0.shape[1]
 
 
+def test_tail_shares_split_only_a_last_round_that_leaves_programs_idle():
+    """Static rounds: 704 items on 132 programs (five rounds and 44 items) split those 44 three ways;
+    a last round that is a small share of many rounds, a full one, the work counter and sinks do not
+    split; the knob forces a count (1: none)."""
+    batch = batch_of(make_case(3, lens_q=[512] * 2, lens_kv=[8192] * 2, hq=8, hkv=2, dqk=128, dtype=F16))
+    cfg = dataclasses.replace(hp.DEFAULT, dynamic=0)
+    assert hp.tail_shares(batch, cfg, 704, 132) == (660, 3)
+    assert hp.tail_shares(batch, cfg, 3072, 132) == (3072, 1)  # (24 rounds: a third of one saved is < 5%)
+    assert hp.tail_shares(batch, cfg, 660, 132) == (660, 1)  # (the last round is full)
+    assert hp.tail_shares(batch, cfg, 40, 132) == (0, 3)  # (one round: 40 items, 3 shares each)
+    assert hp.tail_shares(batch, dataclasses.replace(cfg, dynamic=1), 704, 132) == (704, 1)
+    assert hp.tail_shares(batch, dataclasses.replace(cfg, shares=5), 704, 132) == (660, 5)
+    assert hp.tail_shares(batch, dataclasses.replace(cfg, shares=1), 704, 132) == (704, 1)
+    short = batch_of(make_case(3, lens_q=[512] * 2, lens_kv=[512] * 2, hq=8, hkv=2, dqk=128, dtype=F16))
+    assert hp.tail_shares(short, cfg, 704, 132) == (660, 2)  # (8 key tiles: two shares of 4)
+    sinks = batch_of(make_case(3, lens_q=[64], lens_kv=[900], hq=8, hkv=2, dqk=128, dtype=F16, sinks=True))
+    assert hp.tail_shares(sinks, cfg, 704, 132) == (704, 1)
+    bytes_ = hp.share_bytes(batch, cfg, 44, 3)
+    assert bytes_ == 4 * (64 + 44 * 3 * cfg.BLOCK_M * 129 + 44 * 8)
+
+
+def test_static_rounds_unless_prompt_lengths_are_uneven():
+    """Prompts of at most 1024 tokens take static rounds unless their lengths, known on the host, are
+    uneven (the longest >= 512, row blocks under 80% filled); chunked prefill always; device lengths
+    keep static rounds; longer prompts take the work counter."""
+
+    def static(lens_q, lens_kv, **kw):
+        b = batch_of(make_case(5, lens_q=lens_q, lens_kv=lens_kv, hq=8, hkv=2, dqk=128, dtype=F16, **kw))
+        return hp.static_rounds(b, 192)
+
+    assert static([1024] * 4, [1024] * 4)
+    assert not static([600, 40, 100, 900], [600, 40, 100, 900])
+    assert static([256, 10, 30, 200], [256, 10, 30, 200])  # (the longest under 512)
+    assert static([600, 40, 100, 900], [9000] * 4)  # (chunked prefill: max_kv >= 4 max_q)
+    assert not static([2000], [2000])
+    assert static([600, 590, 610, 600], [700] * 4)  # (even)
+
+
 def test_small_pages_and_empty_caches_take_cp_async():
     assert hp._page_box(batch_of(_case(page_size=8)), hp.DEFAULT) == 0
     case = make_case(2, lens_q=[0, 4], lens_kv=[0, 0], hq=8, hkv=4, dqk=64, page_size=0, dtype=BF16)
@@ -666,6 +704,63 @@ def test_gpu_chunked_dealing_short_last_chunk(causal, dynamic, monkeypatch):
         case.kwargs["out"].fill_(float("nan"))
         case.kwargs["lse"].fill_(float("nan"))
         check_forced(case, chunk=4, dynamic=dynamic)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(1600, 1630))
+def test_gpu_random_grid_shares(seed, monkeypatch):
+    """The last static round's items split by keys into 2-5 shares (forced), float32 partials merged
+    after the kernel: the random grid on persistent grids of 1-4 programs (so that the shares follow
+    whole items on each program), every head dim and page size, windows and soft-caps on a third of
+    the seeds, fp8 K/V on a quarter; uncovered rows of the poisoned out / lse stay untouched."""
+    monkeypatch.setattr(hp, "_num_sms", lambda device, n=1 + seed % 4: n)
+    r = random.Random(seed)
+    params = hopper_params(seed)
+    params["workspace_bytes"] = 64 << 20
+    if seed % 3 == 0:
+        params["window_left"] = r.choice([17, 64, 200])
+        params["logits_soft_cap"] = 30.0
+    if seed % 4 == 1:
+        params["kv_dtype"] = torch.float8_e4m3fn
+    knobs = dict(dynamic=0, shares=2 + seed % 4, chunk=seed % 3)
+    case = make_case(seed, **params)
+    with tuning.override("triton", num_splits=1), tuning.override("hopper", **knobs):
+        plan = planned(case, "triton")[1].backend
+    assert isinstance(plan, hp.HopperPlan) and plan.shares == knobs["shares"]
+    out, lse = call(case, knobs=dict(num_splits=1), hopper=knobs)
+    check(case, out, lse, atol=atol_for(params["dtype"], params.get("kv_dtype")), lse_atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_chunked_prefill_splits_its_last_round(causal, monkeypatch):
+    """Chunked prefill on an 8-program grid: 44 items make five rounds and 4 items, which the plan
+    splits in two by keys on its own; the result matches the oracle, run twice on one workspace
+    (the second run's partials overwrite the first's), and matches the same call unsplit."""
+    monkeypatch.setattr(hp, "_num_sms", lambda device: 8)
+    case = make_case(
+        43,
+        lens_q=[512, 512],
+        lens_kv=[4096, 4096],
+        hq=8,
+        hkv=2,
+        dqk=128,
+        page_size=16,
+        dtype=BF16,
+        causal=causal,
+        device="cuda",
+    )
+    with tuning.override("triton", num_splits=1):
+        plan = planned(case, "triton")[1].backend
+    assert (plan.tail_base, plan.shares) == (40, 2)
+    for _ in range(2):
+        case.kwargs["out"].fill_(float("nan"))
+        case.kwargs["lse"].fill_(float("nan"))
+        out, lse = call(case, knobs=dict(num_splits=1))
+        check(case, out, lse, atol=atol_for(BF16), lse_atol=2e-2)
+    whole, whole_lse = call(case, knobs=dict(num_splits=1), hopper=dict(shares=1))
+    assert (out.float() - whole.float()).abs().max() < 2e-2
+    assert (lse - whole_lse).abs().max() < 1e-3
 
 
 @pytest.mark.gpu

@@ -64,9 +64,10 @@ def hopper_config(batch: PrefillBatch) -> hopper.Config:
 
 
 def plan(batch: PrefillBatch, workspace_bytes: int | None):
-    """The launches of this batch (``workspace_bytes``: the caller's scratch, which bounds split-KV)."""
+    """The launches of this batch (``workspace_bytes``: the caller's scratch, which bounds split-KV and
+    the Hopper kernel's split last round; 0 where the caller disables both)."""
     if uses_hopper_kernel(batch, workspace_bytes):
-        return hopper.HopperPlan(batch)
+        return hopper.HopperPlan(batch, workspace_bytes)
     return fa2.Fa2Plan(batch, workspace_bytes)
 
 
@@ -76,5 +77,5 @@ def compiled_variants() -> int:
 
     kernels = [fa2.fk.prefill_kernel, fa2.fk.merge_kernel, metadata._metadata_kernel]
     if hopper.hk is not None:
-        kernels.append(hopper.hk.attention_kernel)
+        kernels += [hopper.hk.attention_kernel, hopper.hk.share_merge_kernel]
     return launch.compiled_variants(*kernels)

@@ -9,7 +9,7 @@ import torch
 
 from pagedprefill import tuning
 from pagedprefill.batch import CallTensors, PrefillBatch
-from pagedprefill.kernels.launch import INTERPRETED, bind, fast_launch
+from pagedprefill.kernels.launch import INTERPRETED, LaunchSlot, bind, fast_launch
 from pagedprefill.kernels.metadata import ZERO_BYTES
 
 try:
@@ -51,6 +51,9 @@ class Config:
     # 1: K and V of a stage on their own barriers, K released after its QK GEMM (16-bit K/V by TMA;
     # elsewhere the kernel ignores it): faster at D 256 on two 64-key stages, 3-5% slower at D 96 / 128
     split: int = 0
+    # static rounds: split the last round's items by keys into this many shares (0: as
+    # `tail_shares` decides; 1: never), each merged after the kernel
+    shares: int = 0
 
     @property
     def BLOCK_M(self) -> int:
@@ -149,13 +152,69 @@ def prefers_narrow(batch: PrefillBatch) -> bool:
     return 5 * (-(-rows // 192) * 192) >= 6 * (-(-rows // 128) * 128)
 
 
+def static_rounds(batch: PrefillBatch, block_m: int) -> bool:
+    """Whether items go in static rounds rather than off the work counter: chunked prefill (``max_kv >=
+    4 max_q``), and prompts of at most 1024 tokens unless their lengths are known on the host to be
+    uneven (the longest >= 512 tokens, the row blocks under 80% filled: programs that share K/V in
+    step gain less there than the counter's balance; `tune_hopper.py` on the H200: 32 ragged prompts of
+    16-505 tokens +5.5% off the counter, 16 of 128-1014 +8%, 64 of 16-975 +8%; 128 of 8-256 tokens
+    -15%, 16 equal 1k prompts -10%)."""
+    if batch.work_kv >= 4 * batch.work_q:
+        return True
+    if batch.work_q > 1024:
+        return False
+    h = batch.host
+    if h is None or batch.work_q < 512:
+        return True
+    g = batch.group_size
+    per_seq = -(-batch.work_q * g // block_m)
+    filled = sum(-(-q * g // block_m) for q in h.lens_q)
+    return 5 * filled >= 4 * per_seq * len(h.lens_q)
+
+
+# the last static round's items are split into at most this many shares, each of at least
+# MIN_SHARE_TILES key tiles of the longest sequence, where that saves >= 5% of the rounds
+MAX_SHARES = 4
+MIN_SHARE_TILES = 4
+
+
+def tail_shares(batch: PrefillBatch, cfg: Config, total: int, programs: int) -> tuple[int, int]:
+    """``(tail_base, shares)``: with static rounds, the items from ``tail_base`` on (the last round's)
+    run as ``shares`` pieces each, split by key tiles, so that the round's idle programs take them
+    (704 items on 132 programs: five rounds and 44 items, which three shares each spread over the
+    132); ``(total, 1)`` where no split applies (off the work counter, with sinks, where it would save
+    under 5% of the rounds). ``cfg.shares`` >= 1 forces that count."""
+    none = (total, 1)
+    if cfg.dynamic or batch.has_sinks or total == 0 or programs <= 0:
+        return none
+    rounds = -(-total // programs)
+    base = (rounds - 1) * programs
+    tail = total - base
+    if cfg.shares >= 1:
+        return (base, cfg.shares) if cfg.shares > 1 else none
+    tiles = -(-batch.work_kv // cfg.BLOCK_N)
+    shares = min(MAX_SHARES, programs // tail, tiles // MIN_SHARE_TILES)
+    if shares < 2 or 20 * (shares - 1) < rounds * shares:  # (saves (1 - 1/shares) of a round in `rounds`)
+        return none
+    return base, shares
+
+
+def share_bytes(batch: PrefillBatch, cfg: Config, tail: int, shares: int) -> int:
+    """Scratch bytes of the shares' partials (see :mod:`.hopper_kernel.merge`), from the scratch's start."""
+    if shares <= 1:
+        return ZERO_BYTES
+    rows = tail * shares * cfg.BLOCK_M
+    return 4 * (hk.PART_OFFSET.value + rows * (batch.head_dim_vo + 1) + tail * hk.HEADER_INTS.value)
+
+
 def config(batch: PrefillBatch) -> Config:
     """``DEFAULT``, with ``WIDE`` where :func:`prefers_wide` says so (``NARROW`` where
     :func:`prefers_narrow` does, unless a ``wide`` knob is set), ``F8_STAGES`` ring stages with 8-bit q
     (``D96_STAGES`` at D 96), and static rounds (``dynamic=0``) for short prompts (``max_q <= 1024``)
-    and chunked prefill (``max_kv >= 4 max_q``); then any tuning override (``tuning.override("hopper", stages=4, wide=1,
-    ...)``; a ``consumers`` knob alone takes ``CONSUMER_REGS`` registers); last, chunks of
-    ``DYNAMIC_CHUNK`` pairs off the work counter unless a ``chunk`` knob is set."""
+    of even lengths and chunked prefill (``max_kv >= 4 max_q``; :func:`static_rounds`); then any
+    tuning override (``tuning.override("hopper", stages=4, wide=1, ...)``; a ``consumers`` knob
+    alone takes ``CONSUMER_REGS`` registers); last, chunks of ``DYNAMIC_CHUNK`` pairs off the work
+    counter unless a ``chunk`` knob is set."""
     over = dict(tuning.knobs("hopper"))
     bad = [k for k in over if k not in KNOBS]
     if bad:
@@ -174,7 +233,7 @@ def config(batch: PrefillBatch) -> Config:
         base = replace(base, stages=F8_STAGES)
     elif (batch.head_dim_qk, batch.head_dim_vo) == (96, 96) and not batch.fp8_kv:
         base = replace(base, stages=D96_STAGES)
-    if batch.work_q <= 1024 or batch.work_kv >= 4 * batch.work_q:
+    if static_rounds(batch, base.BLOCK_M):
         base = replace(base, dynamic=0)
     if "consumers" in over and "consumer_regs" not in over and over["consumers"] in CONSUMER_REGS:
         over["consumer_regs"] = CONSUMER_REGS[over["consumers"]]
@@ -205,6 +264,8 @@ def config(batch: PrefillBatch) -> Config:
         why = f"dynamic must be 0 or 1, got {cfg.dynamic}"
     elif cfg.split not in (0, 1):
         why = f"split must be 0 or 1, got {cfg.split}"
+    elif cfg.shares < 0:
+        why = f"shares must be >= 0 (0: automatic, 1: none), got {cfg.shares}"
     elif _ring_stages(batch, cfg, _staging_bytes(batch, cfg)) < 2:
         why = f"Q ({cfg.BLOCK_M} rows), two K/V stages of {cfg.BLOCK_N} keys and the fp8 staging exceed shared memory"
     if why:
@@ -336,6 +397,8 @@ def num_m_blocks(batch: PrefillBatch, cfg: Config) -> int:
     return -(-batch.work_q * batch.group_size // cfg.BLOCK_M)
 
 
+MERGE_ROWS = 32  # rows of a split item per program of the shares' merge
+_WARM_MERGES: set = set()  # the merge's compiled constants (see HopperPlan._warm_merge)
 DESC_ARGS = slice(27, 32)  # k_desc, k1_desc, v_desc, v1_desc, q_desc in the kernel's arguments
 
 
@@ -347,20 +410,31 @@ def _num_sms(device: torch.device) -> int:
 class HopperPlan:
     """The Hopper kernel's launch for one batch: config and constexprs fixed at plan time; each run
     binds the call's tensors, builds their TMA descriptors and zeroes the work counter (unless the
-    device table's launch did: ``CallTensors.zeroed``)."""
+    device table's launch did: ``CallTensors.zeroed``), and merges the shares of split items
+    (:func:`tail_shares`) after the kernel.
+
+    ``workspace_bytes`` (the caller's scratch room; None: unbounded) bounds the shares' partials: a
+    split that does not fit is not made."""
 
     name = "triton"
-    workspace_bytes = ZERO_BYTES  # the work counter (dynamic scheduling), in what a device table zeroes
 
-    def __init__(self, batch: PrefillBatch):
+    def __init__(self, batch: PrefillBatch, workspace_bytes: int | None = None):
         self.batch = batch
         cfg = self.cfg = config(batch)
         self.n_m = num_m_blocks(batch, cfg)
         total = batch.num_kv_heads * batch.batch_size * self.n_m
-        grid = min(total, _num_sms(batch.device)) if batch.device.type == "cuda" else total
-        if total + grid >= 2**31:  # (rounds run to total + grid in int32)
+        sms = _num_sms(batch.device) if batch.device.type == "cuda" else total
+        if total + 2 * sms >= 2**31:  # (rounds run to total + grid in int32)
             raise ValueError(f"too many work items for one launch ({total}); split the batch")
-        self.grid = (max(grid, 1),)
+        self.tail_base, self.shares = tail_shares(batch, cfg, total, sms)
+        self.n_tail = total - self.tail_base
+        self.workspace_bytes = share_bytes(batch, cfg, self.n_tail, self.shares)
+        if workspace_bytes is not None and self.shares > 1 and self.workspace_bytes > workspace_bytes:
+            self.tail_base, self.shares, self.n_tail = total, 1, 0
+            self.workspace_bytes = ZERO_BYTES  # (the work counter, in what a device table zeroes)
+        items = self.tail_base + self.n_tail * self.shares
+        self.grid = (max(min(items, sms), 1),)
+        self._merge = LaunchSlot()  # the shares' merge, bound after its first launch
         self.box = _page_box(batch, cfg)
         # (a chunk of at least every pair is one chunk: capped there, chunk x row blocks stays within
         # total, which fits int32)
@@ -374,6 +448,35 @@ class HopperPlan:
         self._bound = None
         self._bind_tried = False
         self._descs_present: tuple = ()
+        if not cfg.dynamic and not batch.has_sinks and batch.device.type == "cuda":
+            self._warm_merge()
+
+    def _merge_kwargs(self) -> dict:
+        batch, dvo = self.batch, self.batch.head_dim_vo
+        return dict(
+            GROUP=batch.group_size,
+            BLOCK_M=self.cfg.BLOCK_M,
+            DVO=dvo,
+            DV_P2=1 << (dvo - 1).bit_length(),
+            ROWS=MERGE_ROWS,
+            HAS_LSE=batch.has_lse,
+            num_warps=4,
+        )
+
+    def _warm_merge(self) -> None:
+        """Compile the merge for this plan's constants now (once per process), so that a later call
+        whose lengths make a split (static rounds) compiles nothing."""
+        kwargs = self._merge_kwargs()
+        key = (self.batch.device, self.batch.out_dtype, tuple(kwargs.items()))
+        if key in _WARM_MERGES:
+            return
+        dev, odt = self.batch.device, self.batch.out_dtype
+        scratch = torch.empty(16, dtype=torch.uint8, device=dev)
+        out = torch.empty(1, dtype=odt, device=dev)
+        lse = torch.empty(1, dtype=torch.float32, device=dev) if self.batch.has_lse else out
+        with torch.cuda.device(dev):
+            hk.share_merge_kernel.warmup(scratch, out, lse, 1, 2, 1, 1, 1, grid=(1,), **kwargs)
+        _WARM_MERGES.add(key)
 
     def _constexprs(self, tma, q_tma: bool) -> dict:
         key = (tma is not None and tma[0][3], tma is not None and tma[1][3], tma is not None, q_tma)
@@ -434,7 +537,7 @@ class HopperPlan:
             layout = gl.NVMMASharedLayout(swizzle_byte_width=cols * esz, element_bitwidth=8 * esz, rank=3)
             g = batch.group_size
             q_desc = TensorDescriptor(q, list(q.shape), list(q.stride()), [64 // g, g, cols], layout)
-        counter = t.scratch[:4].view(torch.int32) if self.dynamic else meta
+        counter = t.scratch[:4].view(torch.int32) if self.dynamic or self.shares > 1 else meta
         args = (
             q,
             k,
@@ -471,8 +574,20 @@ class HopperPlan:
             t.q_scale if t.q_scale is not None else meta,
             t.k_scale if t.k_scale is not None else meta,
             t.v_scale if t.v_scale is not None else meta,
+            self.tail_base,
+            self.shares,
         )
         return [(hk.attention_kernel, self.grid, args, self._constexprs(tma, q_tma))]
+
+    def _merge_shares(self, t: CallTensors) -> None:
+        """The launch that combines the split items' shares into out and the LSE (after the kernel)."""
+        lse = t.lse if t.lse is not None else t.out  # (not read without an LSE)
+        if self._merge.launch((t.scratch, t.out, lse)):
+            return
+        out = t.out
+        args = (t.scratch, out, lse, self.n_tail, self.shares, out.stride(0), out.stride(1), self.batch.num_qo_heads)
+        grid = (self.n_tail, self.cfg.BLOCK_M // MERGE_ROWS)
+        self._merge.run(hk.share_merge_kernel, grid, args, self._merge_kwargs())
 
     def _tensors(self, t: CallTensors) -> tuple:
         """The kernel's tensor arguments in order (as :meth:`launches` passes them)."""
@@ -485,7 +600,7 @@ class HopperPlan:
             t.lse if t.lse is not None else meta,
             meta,
             t.pages if self.batch.paged else meta,
-            t.scratch if self.dynamic else meta,  # (the counter's first bytes)
+            t.scratch if self.dynamic or self.shares > 1 else meta,  # (the counter's first bytes)
             t.sinks if t.sinks is not None else meta,
             t.q_scale if t.q_scale is not None else meta,
             t.k_scale if t.k_scale is not None else meta,
@@ -498,6 +613,11 @@ class HopperPlan:
         return tuple(i for i, present in zip((1, 1, 2, 2, 0), self._descs_present) if present)
 
     def run(self, t: CallTensors) -> None:
+        self._attend(t)
+        if self.shares > 1:
+            self._merge_shares(t)
+
+    def _attend(self, t: CallTensors) -> None:
         if self.dynamic and not t.zeroed:
             t.scratch[:4].zero_()
         bound = self._bound

@@ -13,6 +13,9 @@ How it works (``docs/design.md`` has the reasons and ``docs/decisions.md`` what 
   rows each run ``S_j = Q K_j^T`` as an asynchronous wgmma beside the rescale of O and
   ``O += P_{j-1} V_{j-1}``, so the softmax of tile j overlaps the PV GEMM of tile j-1.
 * Causal consumers walk key tiles only up to their own rows' diagonal and release the rest unread.
+* Static rounds whose last round would leave most programs idle split that round's items by keys
+  into shares (float32 partials in the scratch), merged by :func:`share_merge_kernel` after the
+  kernel.
 
 The state is grouped in aggregates: :class:`Geometry` (compile-time shape of the kernel),
 :class:`Schedule` (work items and the item ring), :class:`KVRing` / :class:`QSlots` (shared
@@ -22,12 +25,13 @@ memory and its barriers), :class:`KVSource` (where K/V rows are in global memory
 Files by concern: ``geometry`` (shape, work item), ``schedule`` (dealing items), ``buffers`` (shared
 memory rings), ``loads`` (the load partition, TMA / cp.async, 8-bit widening), ``softmax`` (the
 online softmax and O's lazy rescale), ``consumer`` (the consumer partition and epilogue), ``kernel``
-(the entry).
+(the entry), ``merge`` (the shares' merge).
 
 Lengths, offsets and page ids are read on the device; page ids are clamped; rows with no visible
 key get out 0 and lse -inf.
 """
 
 from .kernel import attention_kernel
+from .merge import HEADER_INTS, PART_OFFSET, share_merge_kernel
 
-__all__ = ["attention_kernel"]
+__all__ = ["HEADER_INTS", "PART_OFFSET", "attention_kernel", "share_merge_kernel"]

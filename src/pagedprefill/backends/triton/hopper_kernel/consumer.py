@@ -17,6 +17,7 @@ from triton.language.core import _aggregate as aggregate
 from .buffers import KVRing, QSlots
 from .geometry import Geometry, WorkItem, _key_range, _window_range
 from .loads import _chunk_layout
+from .merge import HEADER_INTS
 from .schedule import Schedule
 from .softmax import _quad_sums, _rescale, _softmax
 
@@ -206,7 +207,6 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
     """One consumer warpgroup: rows [row0 + R0, row0 + R0 + SUB_M) of each work item's block."""
     GROUP: gl.constexpr = geo.GROUP
     DQ1: gl.constexpr = geo.DQ1
-    DVO: gl.constexpr = geo.DVO
     DV0: gl.constexpr = geo.DV0
     DV1: gl.constexpr = geo.DV1
     SUB_M: gl.constexpr = geo.SUB_M
@@ -214,7 +214,6 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
     STAGES: gl.constexpr = geo.STAGES
     CAUSAL: gl.constexpr = geo.CAUSAL
     dtype: gl.constexpr = ring.k.dtype  # (the GEMMs' inputs: q's dtype, or float16 for 8-bit K/V)
-    Out = out.Out
     qk_scale = out.qk_scale
     sign = 1.0
     if geo.K_SCALED:
@@ -247,6 +246,9 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
     if DV1 > 0:  # (O in two accumulators, DV0 + DV1 columns, one PV GEMM each)
         O1_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV1, KI])
         P1_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O1_L, k_width=KW)
+        O1_E: gl.constexpr = O1_L
+    else:  # (the epilogue's second accumulator layout: unused)
+        O1_E: gl.constexpr = O_L
     q_sub = slots.q.index(R0 // SUB_M)
     if DQ1 > 0:
         q1_sub = slots.q1.index(R0 // SUB_M)
@@ -305,21 +307,24 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
         n_walk = w.n_tiles  # key tiles this warpgroup computes up to; below full_own none is masked
         full_own = w.full
         if CAUSAL:
-            # (this warpgroup's rows lie inside the block's: its range is within the block's)
+            # (this warpgroup's rows lie inside the block's: its range is within the block's; a share
+            # ends at its own last tile)
             _, n_walk, full_own = _key_range(w.row0 + R0, w.q_len, w.kv_len, SUB_M, geo)
+            n_walk = gl.minimum(n_walk, w.n_tiles)
+        # the ring holds the block's tiles from t_lo on (a share's first tile, or the window's);
+        # this warpgroup computes from t_own on (tiles before it are released unread), and with a
+        # window keys from head_own on need no mask
+        t_lo = w.t0
+        t_own = w.t0
+        head_own = 0
         if geo.WINDOW:
-            # the ring holds the block's tiles from t_lo on; this warpgroup's own window starts at
-            # t_own (tiles before it are released unread), and keys from head_own on need no mask
-            t_lo, _ = _window_range(w.row0, w.q_len, w.kv_len, w.n_tiles, sched.window, geo.BLOCK_M, geo)
+            t_win, _ = _window_range(w.row0, w.q_len, w.kv_len, w.n_tiles, sched.window, geo.BLOCK_M, geo)
+            t_lo = gl.maximum(t_win, t_lo)
             t_own, head_own = _window_range(w.row0 + R0, w.q_len, w.kv_len, n_walk, sched.window, SUB_M, geo)
             t_own = gl.maximum(t_own, t_lo)
-            n_walk = gl.maximum(n_walk, t_own)
             for t in range(t_lo, t_own):
                 _skip_tile(ring, c + t - t_lo, geo)
-        else:
-            t_lo = 0
-            t_own = 0
-            head_own = 0
+        n_walk = gl.maximum(n_walk, t_own)
         alpha = gl.full([SUB_M], 1.0, gl.float32, gl.SliceLayout(1, O_L))
         if DV1 > 0:
             alpha1 = gl.full([SUB_M], 1.0, gl.float32, gl.SliceLayout(1, O1_L))
@@ -452,41 +457,123 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
             lse2 = gl.where(has_key, m_i + gl.log2(gl.where(has_key, l_i, 1.0)), float("-inf"))
         if geo.V_SCALED:
             inv_l = inv_l * gl.load(out.V_SCALE)
-        o = (acc * gl.convert_layout(inv_l, gl.SliceLayout(1, O_L))[:, None]).to(Out.dtype.element_ty)
-        if geo.O_STAGE == 1:
-            # through this warpgroup's Q slot (its last QK GEMM is done) into rows of 16-byte
-            # vectors: each warp stores whole 2^k-byte row segments instead of 16-byte pieces of 8
-            # rows (the wgmma accumulator's layout)
-            gl.thread_barrier()
-            q_sub.store(o)
-            gl.thread_barrier()
-            TPW_D: gl.constexpr = DVO // 8
-            ST_L: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [4, 1], [1, 0])
-            o_st = q_sub.load(ST_L)
-            if geo.Q_TMA:  # (the slot goes back to the load warps; arrive syncs the group)
-                fence_async_shared()  # (O's generic-proxy writes before the next Q's TMA writes)
-                mbarrier.arrive(slots.empty)
-            rows_o = w.row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, ST_L))
-            d_o = gl.arange(0, DVO, gl.SliceLayout(0, ST_L))
+        if DV1 > 0:
+            acc1_e = acc1
+        else:  # (unused)
+            acc1_e = acc
+        if w.share >= 0:  # a share of a split item: its float32 rows, merged after the kernel
+            _store_share(acc, acc1_e, inv_l, lse2, w, sched, R0, geo, O_L, O1_E, S_L)
+            if geo.O_STAGE == 1:
+                if geo.Q_TMA:  # (the slot goes back to the load warps: no O staged through it)
+                    mbarrier.arrive(slots.empty)
         else:
-            o_st = o
-            rows_o = w.row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, O_L))
-            d_o = gl.arange(0, DV0, gl.SliceLayout(0, O_L))
-        tok_o = rows_o // GROUP
-        head_o = w.kv_head * GROUP + rows_o % GROUP
-        o_off = (w.o_start + tok_o).to(gl.int64) * out.stride_ot + head_o.to(gl.int64) * out.stride_oh
-        gl.store(Out + o_off[:, None] + d_o[None, :], o_st, mask=(tok_o < w.q_len)[:, None])
-        if DV1 > 0:  # (O_STAGE 0: the second accumulator's columns, straight from its layout)
-            o1 = (acc1 * gl.convert_layout(inv_l, gl.SliceLayout(1, O1_L))[:, None]).to(Out.dtype.element_ty)
-            rows_o1 = w.row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, O1_L))
-            d_o1 = DV0 + gl.arange(0, DV1, gl.SliceLayout(0, O1_L))
-            tok_o1 = rows_o1 // GROUP
-            head_o1 = w.kv_head * GROUP + rows_o1 % GROUP
-            o1_off = (w.o_start + tok_o1).to(gl.int64) * out.stride_ot + head_o1.to(gl.int64) * out.stride_oh
-            gl.store(Out + o1_off[:, None] + d_o1[None, :], o1, mask=(tok_o1 < w.q_len)[:, None])
-        if geo.HAS_LSE:
-            head_s = w.kv_head * GROUP + rows_s % GROUP
-            lse_off = w.lse_start.to(gl.int64) + tok_s.to(gl.int64) * out.num_heads_q + head_s
-            gl.store(out.LSE + lse_off, lse2 * 0.6931471805599453, mask=tok_s < w.q_len)
+            _store_rows(acc, acc1_e, inv_l, lse2, rows_s, tok_s, w, slots, out, q_sub, R0, geo, O_L, O1_E)
         r += 1
         item = sched.take(r)
+
+
+@gluon.jit
+def _store_share(
+    acc,
+    acc1,
+    inv_l,
+    lse2,
+    w: WorkItem,
+    sched: Schedule,
+    R0: gl.constexpr,
+    geo: Geometry,
+    O_L: gl.constexpr,
+    O1_L: gl.constexpr,
+    S_L: gl.constexpr,
+):
+    """Epilogue of a share: this warpgroup's rows of O (normalised by the share's own sum) and their
+    log2 LSE (-inf where the share saw no key) into the scratch, and the split item's header (its
+    output and LSE offsets, q_len, KV head and first row) from the first share's first warpgroup."""
+    DVO: gl.constexpr = geo.DVO
+    DV0: gl.constexpr = geo.DV0
+    SUB_M: gl.constexpr = geo.SUB_M
+    n_tail = sched.n_bh * sched.num_m_blocks - sched.tail_base
+    n_rows = n_tail * sched.shares * geo.BLOCK_M
+    first = (w.tail * sched.shares + w.share) * geo.BLOCK_M + R0
+    rows = first + gl.arange(0, SUB_M, gl.SliceLayout(1, O_L))
+    d = gl.arange(0, DV0, gl.SliceLayout(0, O_L))
+    po = acc * gl.convert_layout(inv_l, gl.SliceLayout(1, O_L))[:, None]
+    gl.store(sched.part + rows[:, None] * DVO + d[None, :], po)
+    if geo.DV1 > 0:
+        rows1 = first + gl.arange(0, SUB_M, gl.SliceLayout(1, O1_L))
+        d1 = DV0 + gl.arange(0, geo.DV1, gl.SliceLayout(0, O1_L))
+        po1 = acc1 * gl.convert_layout(inv_l, gl.SliceLayout(1, O1_L))[:, None]
+        gl.store(sched.part + rows1[:, None] * DVO + d1[None, :], po1)
+    rows_s = first + gl.arange(0, SUB_M, gl.SliceLayout(1, S_L))
+    gl.store(sched.part + n_rows * DVO + rows_s, lse2)
+    if R0 == 0:
+        if w.share == 0:
+            HL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+            i = gl.arange(0, HEADER_INTS, HL)
+            hd = gl.where(i == 0, w.o_start, gl.where(i == 1, w.lse_start, gl.where(i == 2, w.q_len, 0)))
+            hd = gl.where(i == 3, w.kv_head, gl.where(i == 4, w.row0, hd))
+            head = (sched.part + n_rows * (DVO + 1)).to(gl.pointer_type(gl.int32), bitcast=True)
+            gl.store(head + w.tail * HEADER_INTS + i, hd)
+
+
+@gluon.jit
+def _store_rows(
+    acc,
+    acc1,
+    inv_l,
+    lse2,
+    rows_s,
+    tok_s,
+    w: WorkItem,
+    slots: QSlots,
+    out: OutSink,
+    q_sub,
+    R0: gl.constexpr,
+    geo: Geometry,
+    O_L: gl.constexpr,
+    O1_L: gl.constexpr,
+):
+    """Epilogue of a whole item: this warpgroup's rows of O into out (rows past the sequence left
+    alone) and their LSE (natural log), when asked for."""
+    GROUP: gl.constexpr = geo.GROUP
+    DVO: gl.constexpr = geo.DVO
+    DV0: gl.constexpr = geo.DV0
+    DV1: gl.constexpr = geo.DV1
+    SUB_M: gl.constexpr = geo.SUB_M
+    Out = out.Out
+    o = (acc * gl.convert_layout(inv_l, gl.SliceLayout(1, O_L))[:, None]).to(Out.dtype.element_ty)
+    if geo.O_STAGE == 1:
+        # through this warpgroup's Q slot (its last QK GEMM is done) into rows of 16-byte
+        # vectors: each warp stores whole 2^k-byte row segments instead of 16-byte pieces of 8
+        # rows (the wgmma accumulator's layout)
+        gl.thread_barrier()
+        q_sub.store(o)
+        gl.thread_barrier()
+        TPW_D: gl.constexpr = DVO // 8
+        ST_L: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [4, 1], [1, 0])
+        o_st = q_sub.load(ST_L)
+        if geo.Q_TMA:  # (the slot goes back to the load warps; arrive syncs the group)
+            fence_async_shared()  # (O's generic-proxy writes before the next Q's TMA writes)
+            mbarrier.arrive(slots.empty)
+        rows_o = w.row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, ST_L))
+        d_o = gl.arange(0, DVO, gl.SliceLayout(0, ST_L))
+    else:
+        o_st = o
+        rows_o = w.row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, O_L))
+        d_o = gl.arange(0, DV0, gl.SliceLayout(0, O_L))
+    tok_o = rows_o // GROUP
+    head_o = w.kv_head * GROUP + rows_o % GROUP
+    o_off = (w.o_start + tok_o).to(gl.int64) * out.stride_ot + head_o.to(gl.int64) * out.stride_oh
+    gl.store(Out + o_off[:, None] + d_o[None, :], o_st, mask=(tok_o < w.q_len)[:, None])
+    if DV1 > 0:  # (O_STAGE 0: the second accumulator's columns, straight from its layout)
+        o1 = (acc1 * gl.convert_layout(inv_l, gl.SliceLayout(1, O1_L))[:, None]).to(Out.dtype.element_ty)
+        rows_o1 = w.row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, O1_L))
+        d_o1 = DV0 + gl.arange(0, DV1, gl.SliceLayout(0, O1_L))
+        tok_o1 = rows_o1 // GROUP
+        head_o1 = w.kv_head * GROUP + rows_o1 % GROUP
+        o1_off = (w.o_start + tok_o1).to(gl.int64) * out.stride_ot + head_o1.to(gl.int64) * out.stride_oh
+        gl.store(Out + o1_off[:, None] + d_o1[None, :], o1, mask=(tok_o1 < w.q_len)[:, None])
+    if geo.HAS_LSE:
+        head_s = w.kv_head * GROUP + rows_s % GROUP
+        lse_off = w.lse_start.to(gl.int64) + tok_s.to(gl.int64) * out.num_heads_q + head_s
+        gl.store(out.LSE + lse_off, lse2 * 0.6931471805599453, mask=tok_s < w.q_len)

@@ -128,11 +128,30 @@ class WorkItem:
     v_start: gl.tensor
     hi: gl.tensor  # keys [0, hi) are visible to some row of the block
     full: gl.tensor  # keys [0, full) are visible to every row, in whole tiles
-    n_tiles: gl.tensor  # key tiles covering [0, hi); 0 when every row is past the sequence
+    n_tiles: gl.tensor  # key tiles covering [0, hi) (a share: its last tile + 1); 0 when every row is past the sequence
+    t0: gl.tensor  # the first key tile the item computes: 0, or a share's first tile
+    share: gl.tensor  # which share of a split item this is (see Schedule.work_item), -1 for a whole item
+    tail: gl.tensor  # a share's split item, counted from the first split one
 
     @gluon.constexpr_function
     def __init__(
-        self, kv_head, row0, q_len, kv_len, q_start, o_start, lse_start, BT_row, k_start, v_start, hi, full, n_tiles
+        self,
+        kv_head,
+        row0,
+        q_len,
+        kv_len,
+        q_start,
+        o_start,
+        lse_start,
+        BT_row,
+        k_start,
+        v_start,
+        hi,
+        full,
+        n_tiles,
+        t0,
+        share,
+        tail,
     ):
         self.kv_head = kv_head
         self.row0 = row0
@@ -147,6 +166,9 @@ class WorkItem:
         self.hi = hi
         self.full = full
         self.n_tiles = n_tiles
+        self.t0 = t0
+        self.share = share
+        self.tail = tail
 
 
 @gluon.jit

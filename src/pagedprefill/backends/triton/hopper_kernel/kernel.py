@@ -10,11 +10,22 @@ from .buffers import KVRing, QSlots, Staging, _layout
 from .consumer import OutSink, _consumer_partition
 from .geometry import Geometry
 from .loads import KVSource, _load_partition
+from .merge import PART_OFFSET
 from .schedule import ITEM_RING, Schedule
 
 
 @gluon.jit(
-    do_not_specialize=["meta_stride", "batch_size", "num_m_blocks", "num_pages", "chunk_pairs", "dynamic", "window"],
+    do_not_specialize=[
+        "meta_stride",
+        "batch_size",
+        "num_m_blocks",
+        "num_pages",
+        "chunk_pairs",
+        "dynamic",
+        "window",
+        "tail_base",
+        "shares",
+    ],
     do_not_specialize_on_alignment=["BT", "LSE", "COUNTER", "SINKS", "Q_SCALE", "K_SCALE", "V_SCALE"],
 )
 def attention_kernel(
@@ -60,6 +71,8 @@ def attention_kernel(
     Q_SCALE,
     K_SCALE,
     V_SCALE,
+    tail_base,
+    shares,
     GROUP: gl.constexpr,
     PAGE_SIZE: gl.constexpr,
     DQK: gl.constexpr,
@@ -91,7 +104,9 @@ def attention_kernel(
 ):
     """LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each; the kernel's own
     num_warps (4) are the first consumer. The ``num_kv_heads * batch_size * num_m_blocks`` work
-    items are dealt to a persistent grid (see :class:`Schedule`)."""
+    items are dealt to a persistent grid (see :class:`Schedule`), those from ``tail_base`` on as
+    ``shares`` pieces each; COUNTER is the backend's scratch: the work counter (``dynamic``), or
+    the pieces' partials (from float32 element 64 on)."""
     geo = Geometry(
         GROUP,
         PAGE_SIZE,
@@ -204,7 +219,9 @@ def attention_kernel(
 
     # ints specialised to 1 arrive as constexprs; partitions take tensors
     n_bh = gl.to_tensor(num_kv_heads) * batch_size
-    total = n_bh * num_m_blocks
+    tail_base_t = gl.to_tensor(tail_base)
+    shares_t = gl.to_tensor(shares)
+    total = tail_base_t + (n_bh * num_m_blocks - tail_base_t) * shares_t
     sched = Schedule(
         META,
         BT,
@@ -220,6 +237,9 @@ def attention_kernel(
         item_full,
         item_empty,
         gl.to_tensor(window),
+        tail_base_t,
+        shares_t,
+        COUNTER.to(gl.pointer_type(gl.float32), bitcast=True) + PART_OFFSET,
     )
     ring = KVRing(k_smem, k1_smem, v_smem, v1_smem, kv_full, kv_empty)
     stg = Staging(st_k, st_k1, st_v, st_v1, st_full)

@@ -400,10 +400,10 @@ def _load_partition(
         if sched.dynamic != 0:
             sched.post(item, r, geo.LOAD_WARPS)
         w = sched.work_item(item, geo, False)
+        t_lo = w.t0  # (a share's first tile)
         if geo.WINDOW:  # (tiles wholly below every row's window are never loaded)
-            t_lo, _ = _window_range(w.row0, w.q_len, w.kv_len, w.n_tiles, sched.window, geo.BLOCK_M, geo)
-        else:
-            t_lo = 0
+            t_win, _ = _window_range(w.row0, w.q_len, w.kv_len, w.n_tiles, sched.window, geo.BLOCK_M, geo)
+            t_lo = gl.maximum(t_win, t_lo)
         n_load = w.n_tiles - t_lo
         # (Q_TMA: the item's Q goes out once its tile STAGES - 2 has a stage: the consumers have then
         # released the tile two before it, so when the last item had >= 2 tiles they are past its last

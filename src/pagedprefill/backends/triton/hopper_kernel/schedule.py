@@ -1,5 +1,10 @@
 """Work items dealt to the persistent grid: static snake rounds or a per-call work counter, handed from
-the load warps to the consumers through a ring of item ids (:class:`Schedule`)."""
+the load warps to the consumers through a ring of item ids (:class:`Schedule`).
+
+Static rounds may end in a round that leaves most programs idle (704 items on 132 SMs: five full
+rounds and one of 44). The items of that last round can then be split by keys into ``shares``
+pieces each, dealt as items of their own: each piece writes its rows' float32 O and log2 LSE into
+the scratch, and :func:`.merge.share_merge_kernel` combines them."""
 
 # (no ``from __future__ import annotations``: Gluon aggregates check their fields' annotations)
 
@@ -31,6 +36,9 @@ class Schedule:
     item_full: gl.shared_memory_descriptor
     item_empty: gl.shared_memory_descriptor
     window: gl.tensor  # WINDOW: window_left
+    tail_base: gl.tensor  # items from here on are split by keys (n_bh * num_m_blocks: none)
+    shares: gl.tensor  # pieces per split item (1: none)
+    part: gl.tensor  # float32: the shares' O rows, then their LSEs, then each split item's header
 
     @gluon.constexpr_function
     def __init__(
@@ -49,6 +57,9 @@ class Schedule:
         item_full,
         item_empty,
         window,
+        tail_base,
+        shares,
+        part,
     ):
         self.META = META
         self.BT = BT
@@ -64,6 +75,9 @@ class Schedule:
         self.item_full = item_full
         self.item_empty = item_empty
         self.window = window
+        self.tail_base = tail_base
+        self.shares = shares
+        self.part = part
 
     @gluon.jit
     def num_rounds(self):
@@ -118,10 +132,16 @@ class Schedule:
     def work_item(self, item, geo: Geometry, WITH_LSE: gl.constexpr):
         """Work item -> its sequence, KV head, row block and key range. Items run heaviest row block
         first within a chunk of (sequence, KV head) pairs; ``item >= total`` (a last round's missing
-        items) decodes as the last item with ``q_len = 0``: no tiles, no stores."""
-        total = self.n_bh * self.num_m_blocks
-        valid = item < total
-        item = gl.minimum(item, total - 1)  # (so that b < batch size: META is read unmasked)
+        items) decodes as the last item with ``q_len = 0``: no tiles, no stores. Item ``tail_base +
+        shares * i + s`` is share s of item ``tail_base + i``: its key tiles ``[s n / shares, (s + 1) n /
+        shares)`` of the item's n."""
+        n_items = self.n_bh * self.num_m_blocks
+        valid = item < self.total
+        is_share = valid & (item >= self.tail_base)
+        tail = gl.where(is_share, (item - self.tail_base) // self.shares, 0)
+        share = gl.where(is_share, item - self.tail_base - tail * self.shares, -1)
+        item = gl.where(is_share, self.tail_base + tail, item)
+        item = gl.minimum(item, n_items - 1)  # (so that b < batch size: META is read unmasked)
         # chunks of `chunk` pairs, one after the other; in a chunk, row blocks heaviest first (z),
         # then pairs: items running at once share their pairs' K/V in L2
         k = item // (self.chunk * self.num_m_blocks)
@@ -150,6 +170,23 @@ class Schedule:
             k_start = gl.load(META + 4 * meta_stride + b)
             v_start = gl.load(META + 5 * meta_stride + b)
         hi, n_tiles, full = _key_range(row0, q_len, kv_len, geo.BLOCK_M, geo)
+        t0 = gl.where(is_share, share * n_tiles // self.shares, 0)
+        n_tiles = gl.where(is_share, (share + 1) * n_tiles // self.shares, n_tiles)
         return WorkItem(
-            kv_head, row0, q_len, kv_len, q_start, o_start, lse_start, BT_row, k_start, v_start, hi, full, n_tiles
+            kv_head,
+            row0,
+            q_len,
+            kv_len,
+            q_start,
+            o_start,
+            lse_start,
+            BT_row,
+            k_start,
+            v_start,
+            hi,
+            full,
+            n_tiles,
+            t0,
+            share,
+            tail,
         )
