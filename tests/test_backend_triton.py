@@ -458,7 +458,9 @@ def test_lazy_rescale_with_growing_maxima(lazy, scale):
         scale=scale,
     )
     out, lse = call(case, knobs=dict(lazy=lazy))
-    check(case, out, lse, atol=2e-2 if HAS_CUDA else 1e-4, lse_atol=2e-2)
+    # (float32 on the CPU: a logit of scale x q.k carries scale x q.k x 2^-24 of rounding, which the
+    # softmax passes on to the output; a wrong rescale is off by O(1))
+    check(case, out, lse, atol=2e-2 if HAS_CUDA else 1e-4 * max(1.0, scale / 5), lse_atol=2e-2)
 
 
 # --------------------------------------------------------------------------------------------
