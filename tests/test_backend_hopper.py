@@ -424,16 +424,18 @@ def test_tail_shares_split_only_a_last_round_that_leaves_programs_idle():
 
 def test_static_rounds_unless_prompt_lengths_are_uneven():
     """Prompts of at most 1024 tokens take static rounds unless their lengths, known on the host, are
-    uneven (the longest >= 512, row blocks under 80% filled); chunked prefill always; device lengths
+    uneven (the longest >= 384, row blocks under 80% filled); chunked prefill always; device lengths
     keep static rounds; longer prompts take the work counter."""
 
-    def static(lens_q, lens_kv, **kw):
-        b = batch_of(make_case(5, lens_q=lens_q, lens_kv=lens_kv, hq=8, hkv=2, dqk=128, dtype=F16, **kw))
-        return hp.static_rounds(b, 192)
+    def static(lens_q, lens_kv, on_device=False):
+        b = batch_of(make_case(5, lens_q=lens_q, lens_kv=lens_kv, hq=8, hkv=2, dqk=128, dtype=F16))
+        return hp.static_rounds(dataclasses.replace(b, host=None) if on_device else b, 192)
 
     assert static([1024] * 4, [1024] * 4)
     assert not static([600, 40, 100, 900], [600, 40, 100, 900])
-    assert static([256, 10, 30, 200], [256, 10, 30, 200])  # (the longest under 512)
+    assert static([256, 10, 30, 200], [256, 10, 30, 200])  # (the longest under 384)
+    assert not static([505, 16, 30, 200], [505, 16, 300, 1200])
+    assert static([505, 16, 30, 200], [505, 16, 300, 1200], on_device=True)
     assert static([600, 40, 100, 900], [9000] * 4)  # (chunked prefill: max_kv >= 4 max_q)
     assert not static([2000], [2000])
     assert static([600, 590, 610, 600], [700] * 4)  # (even)

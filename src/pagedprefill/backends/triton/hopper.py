@@ -155,16 +155,16 @@ def prefers_narrow(batch: PrefillBatch) -> bool:
 def static_rounds(batch: PrefillBatch, block_m: int) -> bool:
     """Whether items go in static rounds rather than off the work counter: chunked prefill (``max_kv >=
     4 max_q``), and prompts of at most 1024 tokens unless their lengths are known on the host to be
-    uneven (the longest >= 512 tokens, the row blocks under 80% filled: programs that share K/V in
+    uneven (the longest >= 384 tokens, the row blocks under 80% filled: programs that share K/V in
     step gain less there than the counter's balance; `tune_hopper.py` on the H200: 32 ragged prompts of
     16-505 tokens +5.5% off the counter, 16 of 128-1014 +8%, 64 of 16-975 +8%; 128 of 8-256 tokens
-    -15%, 16 equal 1k prompts -10%)."""
+    -15%, 16 equal 1k prompts -10%; 384 lies between the longest prompts measured either way)."""
     if batch.work_kv >= 4 * batch.work_q:
         return True
     if batch.work_q > 1024:
         return False
     h = batch.host
-    if h is None or batch.work_q < 512:
+    if h is None or batch.work_q < 384:
         return True
     g = batch.group_size
     per_seq = -(-batch.work_q * g // block_m)
