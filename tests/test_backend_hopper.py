@@ -56,6 +56,7 @@ def test_config_knobs_are_validated():
         (dict(consumers=3, consumer_regs=160, load_regs=96), "registers over budget"),
         (dict(chunk=-1), "chunk must be >= 0"),
         (dict(dynamic=2), "dynamic must be 0 or 1"),
+        (dict(shares=65), "shares must be in"),
     ):
         with tuning.override("hopper", **bad), pytest.raises(ValueError, match=msg):
             hp.config(batch)

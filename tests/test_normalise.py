@@ -560,6 +560,20 @@ def test_workspace_not_a_tensor():
     expect_value_error(with_(paged(), workspace_buffer=bytearray(1 << 20)), "workspace_buffer")
 
 
+def test_workspace_off_a_16_byte_boundary_is_refused():
+    """The workspace holds int32 / float32 views (metadata, work counter, partials): a byte view that
+    starts off a 16-byte boundary is refused by name, before anything is written."""
+    case = base_case(bits=False)
+    buf = torch.empty((1 << 20) + 16, dtype=torch.uint8)
+    before = case.kwargs["out"].clone()
+    kw = with_(case.kwargs, workspace_buffer=buf[3:])
+    msg = expect_value_error(kw, "workspace_buffer", "a buffer starting at a 16-byte aligned address")
+    assert "got address 0x" in msg
+    assert torch.allclose(case.kwargs["out"], before, equal_nan=True)  # (nothing written)
+    good, lse = cudnn_batch_prefill_with_kv_cache(**with_(case.kwargs, workspace_buffer=buf[16:]), backend="torch")
+    check(case, good, lse, atol=2e-5)
+
+
 def test_workspace_of_another_dtype_is_counted_in_bytes():
     case = base_case(bits=False)
     ws = torch.empty(1 << 18, dtype=torch.float32)  # 1 MiB

@@ -264,8 +264,8 @@ def config(batch: PrefillBatch) -> Config:
         why = f"dynamic must be 0 or 1, got {cfg.dynamic}"
     elif cfg.split not in (0, 1):
         why = f"split must be 0 or 1, got {cfg.split}"
-    elif cfg.shares < 0:
-        why = f"shares must be >= 0 (0: automatic, 1: none), got {cfg.shares}"
+    elif not 0 <= cfg.shares <= 64:
+        why = f"shares must be in [0, 64] (0: automatic, 1: none), got {cfg.shares}"
     elif _ring_stages(batch, cfg, _staging_bytes(batch, cfg)) < 2:
         why = f"Q ({cfg.BLOCK_M} rows), two K/V stages of {cfg.BLOCK_N} keys and the fp8 staging exceed shared memory"
     if why:
@@ -448,8 +448,8 @@ class HopperPlan:
         self._bound = None
         self._bind_tried = False
         self._descs_present: tuple = ()
-        if not cfg.dynamic and not batch.has_sinks and batch.device.type == "cuda":
-            self._warm_merge()
+        if not cfg.dynamic and not batch.has_sinks and batch.device.type == "cuda" and workspace_bytes != 0:
+            self._warm_merge()  # (a later call of this shape with other lengths may split)
 
     def _merge_kwargs(self) -> dict:
         batch, dvo = self.batch, self.batch.head_dim_vo
