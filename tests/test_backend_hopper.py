@@ -423,6 +423,74 @@ def test_tail_shares_split_only_a_last_round_that_leaves_programs_idle():
     assert bytes_ == 4 * (64 + 44 * 3 * cfg.BLOCK_M * 129 + 44 * 8)
 
 
+@pytest.mark.skipif(not launch.INTERPRETED, reason="the merge on CPU tensors: under Triton's interpreter")
+@pytest.mark.parametrize("has_lse", [True, False])
+def test_share_merge_combines_the_partials_it_is_given(has_lse):
+    """The shares' merge on a scratch laid out as the kernel writes it (float32 O rows normalised per
+    share, log2 LSEs, one header per split item), against float64 arithmetic: 2 split items of 3
+    shares, GQA 3, Dvo 96 (a padded power of two), rows past q_len left alone, a row no share saw
+    (all -inf) written as 0 / -inf, a share with no key of some row (-inf) carrying no weight."""
+    from pagedprefill.backends.triton import hopper_kernel as hk
+
+    g, block_m, dvo, shares, tail, hq = 3, 64, 96, 3, 2, 6
+    gen = torch.Generator().manual_seed(5)
+    n_rows = tail * shares * block_m
+    po = torch.randn(n_rows, dvo, generator=gen)
+    pl = torch.randn(n_rows, generator=gen) * 4
+    pl[5] = float("-inf")  # (item 0, share 0, row 5: no key in that share)
+    for sh in range(shares):  # (item 1, row 7: no key in any share)
+        pl[(shares + sh) * block_m + 7] = float("-inf")
+    # headers: o_start, lse_start, q_len, kv_head, row0 (item 0: rows 0..63 of head group 1, 20 tokens;
+    # item 1: rows 64..127 of head group 0 of a sequence of 30 tokens starting at token 40)
+    hd = torch.tensor([[0, 0, 20, 1, 0, 0, 0, 0], [40, 40 * hq, 30, 0, 64, 0, 0, 0]], dtype=torch.int32)
+    off = hk.PART_OFFSET.value
+    scratch = torch.cat([torch.zeros(off), po.flatten(), pl, hd.flatten().view(torch.float32)]).view(torch.uint8)
+    out = torch.full((80, hq, dvo), float("nan"))
+    lse = torch.full((80 * hq,), float("nan"))
+    hk.share_merge_kernel[(tail, block_m // 32)](
+        scratch,
+        out,
+        lse if has_lse else out,
+        tail,
+        shares,
+        out.stride(0),
+        out.stride(1),
+        hq,
+        GROUP=g,
+        BLOCK_M=block_m,
+        DVO=dvo,
+        DV_P2=128,
+        ROWS=32,
+        HAS_LSE=has_lse,
+    )
+    want_rows, want_lse = set(), set()
+    for i in range(tail):
+        o_start, lse_start, q_len, kv_head, row0 = hd[i, :5].tolist()
+        for r in range(block_m):
+            tok, head = (row0 + r) // g, kv_head * g + (row0 + r) % g
+            if tok >= q_len:
+                continue
+            want_rows.add((o_start + tok, head))
+            want_lse.add(lse_start + tok * hq + head)
+            rows = [(i * shares + sh) * block_m + r for sh in range(shares)]
+            ls = pl[rows].double()
+            if torch.isinf(ls).all():
+                assert torch.equal(out[o_start + tok, head], torch.zeros(dvo))
+                if has_lse:
+                    assert lse[lse_start + tok * hq + head] == float("-inf")
+                continue
+            w = torch.exp2(ls - ls.max())
+            ref = (w[:, None] * po[rows].double()).sum(0) / w.sum()
+            torch.testing.assert_close(out[o_start + tok, head].double(), ref, atol=1e-5, rtol=1e-5)
+            if has_lse:
+                ref_lse = (ls.max() + torch.log2(w.sum())) * math.log(2)
+                assert abs(float(lse[lse_start + tok * hq + head]) - float(ref_lse)) < 1e-5
+    untouched = [(t, h) for t in range(80) for h in range(hq) if (t, h) not in want_rows]
+    assert all(torch.isnan(out[t, h]).all() for t, h in untouched)
+    if has_lse:
+        assert all(torch.isnan(lse[j]) for j in range(lse.numel()) if j not in want_lse)
+
+
 def test_static_rounds_unless_prompt_lengths_are_uneven():
     """Prompts of at most 1024 tokens take static rounds unless their lengths, known on the host, are
     uneven (the longest >= 384, row blocks under 80% filled); chunked prefill always; device lengths

@@ -5,6 +5,8 @@ Row r of the inputs is a (token, head) pair. For states i with outputs v_i and l
 s = m + log(sum w_i); rows where every s_i is -inf give v = 0, s = -inf. One program handles
 ``BLOCK_R`` rows x ``BLOCK_D`` columns; every byte moves once (bandwidth-bound). ``PAIR``: two states
 at independent addresses (``merge_state``); else ``n_states`` stacked ones (``merge_states``).
+:func:`combine_splits` is the same sum over the attention kernels' own float32 partials (split-KV,
+the Hopper kernel's shares), for their merge kernels to call.
 """
 
 from __future__ import annotations
@@ -21,6 +23,26 @@ if triton is not None:
             s = s * 1.4426950408889634
         v = tl.load(V + t[:, None] * sv_t + h[:, None] * sv_h + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
         return s, v.to(tl.float32)
+
+    @triton.jit
+    def combine_splits(PO, PL, prow, split_stride, n_splits, m, d, ok, d_ok, DV: tl.constexpr, BLOCK_D: tl.constexpr):
+        """The kernels' float32 partials over ``n_splits`` disjoint key ranges of the same rows: split
+        s of row r has its O (normalised by its own sum) at ``PO + (prow_r + s * split_stride) * DV``
+        and its log2 LSE at ``PL + prow_r + s * split_stride``. ``m``: where the rows' max starts (-inf,
+        or a sink's log2 logit). Returns ``(m_use, total, acc)``: the max (0 where it is -inf), the sum
+        of ``2^(lse_s - m_use)`` and the sum of ``2^(lse_s - m_use) O_s`` (BLOCK_D columns, d < DV)."""
+        for s in range(n_splits):
+            m = tl.maximum(m, tl.load(PL + prow + s * split_stride, mask=ok, other=float("-inf")))
+        m_use = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.zeros_like(m_use)
+        acc = tl.zeros([prow.shape[0], BLOCK_D], tl.float32)
+        for s in range(n_splits):
+            row = prow + s * split_stride
+            w = tl.math.exp2(tl.load(PL + row, mask=ok, other=float("-inf")) - m_use)
+            part = tl.load(PO + row[:, None] * DV + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+            total += w
+            acc += w[:, None] * part
+        return m_use, total, acc
 
     @triton.jit(do_not_specialize=["n_rows", "n_states"])
     def merge_kernel(
@@ -97,4 +119,4 @@ if triton is not None:
             tl.store(SO + t * sso_t + h * sso_h, lse, mask=ok)
 
 else:
-    merge_kernel = None
+    merge_kernel = combine_splits = None

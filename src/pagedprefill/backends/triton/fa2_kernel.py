@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from triton.language.core import _aggregate as aggregate
 
+from pagedprefill.kernels.merge import combine_splits
+
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -516,21 +518,13 @@ def merge_kernel(
         d = tl.arange(0, DV_P2)
         d_ok = d < DV
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        for s in range(num_splits):
-            prow = ((s * meta_stride + b).to(tl.int64) * max_q + tok) * num_heads_q + heads
-            m = tl.maximum(m, tl.load(PL + prow, mask=h_ok, other=float("-inf")))
         if HAS_SINKS:
             sink2 = tl.load(SINKS + heads, mask=h_ok, other=0.0) * LOG2E
-            m = tl.maximum(m, sink2)
-        m_use = tl.where(m == float("-inf"), 0.0, m)
-        total = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, DV_P2], tl.float32)
-        for s in range(num_splits):
-            prow = ((s * meta_stride + b).to(tl.int64) * max_q + tok) * num_heads_q + heads
-            w = tl.math.exp2(tl.load(PL + prow, mask=h_ok, other=float("-inf")) - m_use)
-            part = tl.load(PO + prow[:, None] * DV + d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-            total += w
-            acc += w[:, None] * part
+            m = sink2
+        # (split s of a row is meta_stride * max_q * Hq rows after split 0's)
+        prow = (b.to(tl.int64) * max_q + tok) * num_heads_q + heads
+        split_stride = meta_stride.to(tl.int64) * max_q * num_heads_q
+        m_use, total, acc = combine_splits(PO, PL, prow, split_stride, num_splits, m, d, h_ok, d_ok, DV, DV_P2)
         if HAS_SINKS:
             total += tl.math.exp2(sink2 - m_use)
         has_key = total > 0.0

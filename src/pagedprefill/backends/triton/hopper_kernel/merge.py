@@ -11,6 +11,8 @@ row.
 import triton
 import triton.language as tl
 
+from pagedprefill.kernels.merge import combine_splits
+
 PART_OFFSET = tl.constexpr(64)  # float32 elements before the partials (the work counter's bytes, and alignment)
 HEADER_INTS = tl.constexpr(8)
 
@@ -57,17 +59,7 @@ def share_merge_kernel(
     d = tl.arange(0, DV_P2)
     d_ok = d < DVO
     m = tl.full([ROWS], float("-inf"), tl.float32)
-    for s in range(shares):
-        m = tl.maximum(m, tl.load(PL + (i * shares + s) * BLOCK_M + r, mask=ok, other=float("-inf")))
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, DV_P2], tl.float32)
-    for s in range(shares):
-        prow = (i * shares + s) * BLOCK_M + r
-        w = tl.math.exp2(tl.load(PL + prow, mask=ok, other=float("-inf")) - m_use)
-        part = tl.load(PO + prow[:, None] * DVO + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
-        total += w
-        acc += w[:, None] * part
+    m_use, total, acc = combine_splits(PO, PL, i * shares * BLOCK_M + r, BLOCK_M, shares, m, d, ok, d_ok, DVO, DV_P2)
     has_key = total > 0.0
     inv = tl.where(has_key, 1.0 / tl.where(has_key, total, 1.0), 0.0)
     o_off = (o_start + tok).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
