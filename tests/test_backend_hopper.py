@@ -492,9 +492,9 @@ def test_share_merge_combines_the_partials_it_is_given(has_lse):
 
 
 def test_static_rounds_unless_prompt_lengths_are_uneven():
-    """Prompts of at most 1024 tokens take static rounds unless their lengths, known on the host, are
-    uneven (the longest >= 384, row blocks under 80% filled); chunked prefill always; device lengths
-    keep static rounds; longer prompts take the work counter."""
+    """Prompts of at most 1024 tokens take static rounds unless their lengths are uneven (the longest
+    >= 384, row blocks under 80% filled; with device lengths estimated from q's rows); chunked
+    prefill always; longer prompts take the work counter."""
 
     def static(lens_q, lens_kv, on_device=False):
         b = batch_of(make_case(5, lens_q=lens_q, lens_kv=lens_kv, hq=8, hkv=2, dqk=128, dtype=F16))
@@ -504,7 +504,18 @@ def test_static_rounds_unless_prompt_lengths_are_uneven():
     assert not static([600, 40, 100, 900], [600, 40, 100, 900])
     assert static([256, 10, 30, 200], [256, 10, 30, 200])  # (the longest under 384)
     assert not static([505, 16, 30, 200], [505, 16, 300, 1200])
-    assert static([505, 16, 30, 200], [505, 16, 300, 1200], on_device=True)
+    assert not static([505, 16, 30, 200], [505, 16, 300, 1200], on_device=True)
+    assert static([1024] * 4, [1024] * 4, on_device=True)
+    assert static([600, 590, 610, 600], [700] * 4, on_device=True)
+    assert static([256, 10, 30, 200], [256, 10, 30, 200], on_device=True)
+    for seed in range(20):  # (the estimate agrees with the host lengths away from the 80% edge)
+        rng = random.Random(seed)
+        lens = [rng.randint(1, 1000) for _ in range(rng.randint(2, 40))]
+        lens[0] = 1000
+        exact = static(lens, lens)
+        ratio = sum(-(-q * 4 // 192) for q in lens) / (len(lens) * -(-4000 // 192))
+        if abs(ratio - 0.8) > 0.1:
+            assert static(lens, lens, on_device=True) == exact, (lens, ratio)
     assert static([600, 40, 100, 900], [9000] * 4)  # (chunked prefill: max_kv >= 4 max_q)
     assert not static([2000], [2000])
     assert static([600, 590, 610, 600], [700] * 4)  # (even)

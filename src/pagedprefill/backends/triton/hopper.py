@@ -154,22 +154,24 @@ def prefers_narrow(batch: PrefillBatch) -> bool:
 
 def static_rounds(batch: PrefillBatch, block_m: int) -> bool:
     """Whether items go in static rounds rather than off the work counter: chunked prefill (``max_kv >=
-    4 max_q``), and prompts of at most 1024 tokens unless their lengths are known on the host to be
-    uneven (the longest >= 384 tokens, the row blocks under 80% filled: programs that share K/V in
-    step gain less there than the counter's balance; `tune_hopper.py` on the H200: 32 ragged prompts of
-    16-505 tokens +5.5% off the counter, 16 of 128-1014 +8%, 64 of 16-975 +8%; 128 of 8-256 tokens
-    -15%, 16 equal 1k prompts -10%; 384 lies between the longest prompts measured either way)."""
+    4 max_q``), and prompts of at most 1024 tokens unless their lengths are uneven (the longest >= 384
+    tokens, the row blocks under 80% filled: programs that share K/V in step gain less there than the
+    counter's balance; `tune_hopper.py` on the H200: 32 ragged prompts of 16-505 tokens +5.5% off the
+    counter, 16 of 128-1014 +8%, 64 of 16-975 +8%; 128 of 8-256 tokens -15%, 16 equal 1k prompts -10%;
+    384 lies between the longest prompts measured either way). With lengths on the device the fill is
+    estimated from q's rows (their sum, or a bound of it) with half a block of padding a sequence, so
+    that deciding needs no sync."""
     if batch.work_kv >= 4 * batch.work_q:
         return True
-    if batch.work_q > 1024:
-        return False
-    h = batch.host
-    if h is None or batch.work_q < 384:
-        return True
-    g = batch.group_size
+    if batch.work_q > 1024 or batch.work_q < 384:
+        return batch.work_q <= 1024
+    g, h, n = batch.group_size, batch.host, batch.batch_size
     per_seq = -(-batch.work_q * g // block_m)
-    filled = sum(-(-q * g // block_m) for q in h.lens_q)
-    return 5 * filled >= 4 * per_seq * len(h.lens_q)
+    if h is None:
+        filled = -(-min(batch.q.rows, n * batch.work_q) * g // block_m) + n // 2
+    else:
+        filled = sum(-(-q * g // block_m) for q in h.lens_q)
+    return 5 * filled >= 4 * per_seq * n
 
 
 # the last static round's items are split into at most this many shares, each of at least
@@ -233,7 +235,7 @@ def config(batch: PrefillBatch) -> Config:
         base = replace(base, stages=F8_STAGES)
     elif (batch.head_dim_qk, batch.head_dim_vo) == (96, 96) and not batch.fp8_kv:
         base = replace(base, stages=D96_STAGES)
-    if static_rounds(batch, base.BLOCK_M):
+    if static_rounds(batch, 64 * over.get("consumers", base.consumers)):  # (the rows the run's items take)
         base = replace(base, dynamic=0)
     if "consumers" in over and "consumer_regs" not in over and over["consumers"] in CONSUMER_REGS:
         over["consumer_regs"] = CONSUMER_REGS[over["consumers"]]
