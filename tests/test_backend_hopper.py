@@ -192,7 +192,6 @@ def test_small_work_takes_two_consumers_with_host_lengths():
     small = case([634, 578, 344, 488], [634, 578, 344, 488])
     big = case([1024] * 16, [1024] * 16)
     assert hp.tiles_per_program(small, 132) < hp.NARROW_TILES <= hp.tiles_per_program(big, 132)
-    assert hp.tiles_per_program(big, 132, limit=100) > 100  # (the count may stop early, never below the limit)
     assert hp.config(small).consumers == 2 and hp.config(big).consumers == 3
     assert hp.config(dataclasses.replace(small, host=None)).consumers == 3
     assert hp.config(case([634, 578, 344, 488], [634, 578, 344, 488], dqk=64)).consumers == 3

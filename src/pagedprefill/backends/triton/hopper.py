@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -156,7 +155,7 @@ def prefers_narrow(batch: PrefillBatch) -> bool:
     if 5 * (-(-rows // 192) * 192) >= 6 * (-(-rows // 128) * 128):
         return True
     sms = _num_sms(batch.device) if batch.device.type == "cuda" else H200_SMS
-    return batch.host is not None and tiles_per_program(batch, sms, NARROW_TILES) < NARROW_TILES
+    return batch.host is not None and tiles_per_program(batch, sms) < NARROW_TILES
 
 
 # programs with fewer key tiles of 192-row items than this take two consumers (`tune_hopper.py`, two
@@ -165,22 +164,16 @@ NARROW_TILES = 100
 H200_SMS = 132  # (programs assumed off a GPU, where no device says)
 
 
-def tiles_per_program(
-    batch: PrefillBatch, programs: int, limit: float = math.inf, block_m: int = 192, block_n: int = 64
-) -> float:
+def tiles_per_program(batch: PrefillBatch, programs: int, block_m: int = 192, block_n: int = 64) -> float:
     """Key tiles of ``block_m``-row items per program (host lengths; closed form per sequence: item
-    m of n sees the prefix and ``(m + 1) block_m / group`` of its queries when causal). The count
-    stops once it passes ``limit`` (what it returns then is only known to exceed it)."""
+    m of n sees the prefix and ``(m + 1) block_m / group`` of its queries when causal)."""
     g, tot = batch.group_size, 0.0
-    stop = limit * programs / batch.num_kv_heads
     for q, kv in zip(batch.host.lens_q, batch.host.lens_kv):
         if q <= 0:
             continue
         n = -(-q * g // block_m)
         whole = n * -(-kv // block_n)
         tot += min(n * (kv - q + block_m / g * (n + 1) / 2) / block_n + n / 2, whole) if batch.causal else whole
-        if tot > stop:
-            break
     return tot * batch.num_kv_heads / programs
 
 
