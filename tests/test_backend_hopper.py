@@ -33,14 +33,6 @@ BF16, F16 = torch.bfloat16, torch.float16
 E4M3 = torch.float8_e4m3fn
 
 
-@pytest.fixture(autouse=True)
-def _no_small_work_rule(request, monkeypatch):
-    """Test batches are small: by ``prefers_narrow``'s small-work rule nearly all would take NARROW.
-    Off here (so that the shape rules and the default tiles stay under test) except in its own test."""
-    if "small_work" not in request.node.name:
-        monkeypatch.setattr(hp, "NARROW_TILES", 0)
-
-
 def _case(**kw):
     base = dict(lens_q=[5, 7], lens_kv=[9, 20], hq=8, hkv=2, dqk=128, page_size=16, dtype=F16)
     return make_case(1, **{**base, **kw})
@@ -179,39 +171,6 @@ def test_config_takes_two_consumers_where_192_row_blocks_would_be_padding():
         assert cfg(64) == static
     with tuning.override("hopper", consumers=3):
         assert cfg(64) == static
-
-
-def test_small_work_takes_two_consumers_with_host_lengths():
-    """Host lengths that give each program under NARROW_TILES key tiles of 192-row items take NARROW
-    (D 128, 16-bit K/V); device lengths, more work, other head dims and fp8 K/V do not."""
-
-    def case(lens_q, lens_kv, **kw):
-        base = dict(lens_q=lens_q, lens_kv=lens_kv, hq=32, hkv=8, dqk=128, page_size=16, dtype=F16)
-        return batch_of(make_case(3, **{**base, **kw}))
-
-    small = case([634, 578, 344, 488], [634, 578, 344, 488])
-    big = case([1024] * 16, [1024] * 16)
-    assert hp.tiles_per_program(small, 132) < hp.NARROW_TILES <= hp.tiles_per_program(big, 132)
-    assert hp.config(small).consumers == 2 and hp.config(big).consumers == 3
-    assert hp.config(dataclasses.replace(small, host=None)).consumers == 3
-    assert hp.config(case([634, 578, 344, 488], [634, 578, 344, 488], dqk=64)).consumers == 3
-    assert hp.config(case([634, 578, 344, 488], [634, 578, 344, 488], kv_dtype=E4M3)).consumers == 3
-    with tuning.override("hopper", consumers=3):
-        assert hp.config(small).consumers == 3
-    # the closed form against the item-by-item count (the kernel's key ranges, 192-row items)
-    rng = random.Random(7)
-    for _ in range(20):
-        g, n = rng.choice([1, 3, 4, 7]), rng.randint(1, 12)
-        lq = [rng.randint(0, 900) for _ in range(n)]
-        lkv = [q + rng.choice([0, rng.randint(0, 2000)]) for q in lq]
-        b = case(lq, lkv, hq=2 * g, hkv=2, causal=rng.random() < 0.8)
-        exact = 0
-        for q, kv in zip(lq, lkv):
-            for r in range(0, q * g, 192):
-                hi = min(kv, min((r + 191) // g, q - 1) + kv - q + 1) if b.causal else kv
-                exact += -(-hi // 64)
-        got = hp.tiles_per_program(b, 1) / 2
-        assert abs(got - exact) <= 0.05 * exact + n, (lq, lkv, g, got, exact)
 
 
 def test_stages_fit_shared_memory():

@@ -141,40 +141,15 @@ def prefers_wide(batch: PrefillBatch) -> bool:
 
 def prefers_narrow(batch: PrefillBatch) -> bool:
     """Whether ``NARROW`` beat ``DEFAULT`` on the H200 for calls like this one: D = 128, 16-bit K/V
-    (ragged or in pages of >= 16 tokens), and either a sequence's ``max_q * group`` rows padded to
-    192-row blocks take >= 1.2x the rows they take in 128-row blocks (64-token queries at GQA 4: 384
-    against 256 rows, +7%), or host lengths give each program under :data:`NARROW_TILES` key tiles
-    of 192-row items (:func:`tiles_per_program`; 4-32 prompts of <= 1024 tokens without prefix: +2% to
-    +25%). Where padding is even and programs have more work, two consumers lose 4-10% (fewer rows
-    share each K/V tile)."""
+    (ragged or in pages of >= 16 tokens), and a sequence's ``max_q * group`` rows padded to 192-row
+    blocks take >= 1.2x the rows they take in 128-row blocks (64-token queries at GQA 4: 384 against
+    256 rows, +7%). Where padding is even, two consumers lose 6% (fewer rows share each K/V tile)."""
     if (batch.head_dim_qk, batch.head_dim_vo) != (128, 128) or batch.fp8_kv:
         return False
     if batch.paged and batch.page_size < 16:  # (the cp.async gather: not measured there)
         return False
     rows = batch.work_q * batch.group_size
-    if 5 * (-(-rows // 192) * 192) >= 6 * (-(-rows // 128) * 128):
-        return True
-    sms = _num_sms(batch.device) if batch.device.type == "cuda" else H200_SMS
-    return batch.host is not None and tiles_per_program(batch, sms) < NARROW_TILES
-
-
-# programs with fewer key tiles of 192-row items than this take two consumers (`tune_hopper.py`, two
-# rounds: +1.5% at 128 tiles a program, -7% at 157, +4.5% to +25% from 83 down)
-NARROW_TILES = 100
-H200_SMS = 132  # (programs assumed off a GPU, where no device says)
-
-
-def tiles_per_program(batch: PrefillBatch, programs: int, block_m: int = 192, block_n: int = 64) -> float:
-    """Key tiles of ``block_m``-row items per program (host lengths; closed form per sequence: item
-    m of n sees the prefix and ``(m + 1) block_m / group`` of its queries when causal)."""
-    g, tot = batch.group_size, 0.0
-    for q, kv in zip(batch.host.lens_q, batch.host.lens_kv):
-        if q <= 0:
-            continue
-        n = -(-q * g // block_m)
-        whole = n * -(-kv // block_n)
-        tot += min(n * (kv - q + block_m / g * (n + 1) / 2) / block_n + n / 2, whole) if batch.causal else whole
-    return tot * batch.num_kv_heads / programs
+    return 5 * (-(-rows // 192) * 192) >= 6 * (-(-rows // 128) * 128)
 
 
 def static_rounds(batch: PrefillBatch, block_m: int) -> bool:
