@@ -110,13 +110,20 @@ def vector(name: str, t: object, length: int | None, device: torch.device, graph
     return t.reshape(-1)
 
 
+def number_scale(name: str, s: object) -> bool:
+    """Whether a scale is a plain number (int or float); a non-finite one is refused by name."""
+    if isinstance(s, bool) or not isinstance(s, (int, float)):
+        return False
+    if not math.isfinite(s):
+        raise fail(name, "a finite scale", s)
+    return True
+
+
 def scale_tensor(name: str, s: object, device: torch.device, graph_mode: bool) -> Tensor | None:
     """A one-element float32 scale on q's device (a float becomes one), or None."""
     if s is None:
         return None
-    if isinstance(s, (int, float)) and not isinstance(s, bool):
-        if not math.isfinite(s):
-            raise fail(name, "a finite scale", s)
+    if number_scale(name, s):
         return torch.full((1,), float(s), dtype=torch.float32, device=device)
     if not isinstance(s, Tensor):
         raise fail(name, "a one-element float32 tensor or a float", type(s).__name__)

@@ -111,11 +111,7 @@ def _out_like(q: object, v_cache: object, o_data_type, out: object) -> torch.dty
 def _scale_operand(name: str, s: object, device: torch.device) -> object:
     """A q / k / v scale as the op's schema takes it: a float (as the eager functions take it) as a
     one-element float32 tensor; tensors and None as they are (checked inside the op)."""
-    if isinstance(s, bool) or not isinstance(s, (int, float)):
-        return s
-    if not math.isfinite(s):
-        raise fail(name, "a finite scale", s)
-    return _device_scale(s, device)
+    return _device_scale(s, device) if normalise.number_scale(name, s) else s
 
 
 def _scales(q: Tensor, q_scale: object, k_scale: object, v_scale: object) -> tuple:

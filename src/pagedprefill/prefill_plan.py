@@ -293,8 +293,7 @@ class PrefillPlan:
         scaled = scales[0] is not None or scales[1] is not None or scales[2] is not None
         if scaled:  # (a float scale's value is not part of the layout: checked at every run)
             for name, x in zip(("q_scale", "k_scale", "v_scale"), scales):
-                if type(x) is float and not math.isfinite(x):
-                    raise fail(name, "a finite scale", x)
+                normalise.number_scale(name, x)
         if sinks is not None and not sinks.is_contiguous():
             sinks = sinks.contiguous()  # (every backend reads the sinks as one contiguous row of Hq floats)
         if vectors is self.vectors:
