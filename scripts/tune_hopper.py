@@ -5,7 +5,8 @@
 A workload name with the suffix ``:fp8kv`` runs its data with K/V quantized to e4m3 (q unchanged,
 scales 0.5); ``:fp8`` q, K and V quantized; ``:bf16`` runs an fp8 workload's 16-bit data.
 ``--extra=FILE`` (after ``--rounds``) adds the workloads of a JSON list (the keys of
-``workloads.json``'s entries) to the names the run knows.
+``workloads.json``'s entries, as ``pagedprefill-bench --workloads-file`` takes them) to the names
+the run knows.
 
 Each knob set is ``name=value`` pairs (``tuning.override("hopper", ...)``); the first row is the
 default config. Times: the eager benchmark's timer (CUDA events around one call, L2 flushed before
@@ -16,7 +17,6 @@ measurement of record).
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -33,8 +33,7 @@ def main() -> int:
     if argv and argv[0].startswith("--rounds="):
         rounds = int(argv.pop(0).split("=")[1])
     if argv and argv[0].startswith("--extra="):
-        with open(argv.pop(0).split("=", 1)[1]) as f:
-            wl.CPU_WORKLOADS.extend(json.load(f))
+        wl.add_workloads(wl.read_workloads(argv.pop(0).split("=", 1)[1]))
     names = argv[0].split(",")
     sets = [{}] + [{k: int(v) for k, v in (kv.split("=") for kv in s.split(","))} for s in argv[1:]]
     cfg = timing.TimingConfig()

@@ -245,6 +245,54 @@ def test_cpu_bench_end_to_end(tmp_path, capsys):
     assert "[24/24] cpu_fp8_b2_q64 fa2-varlen ..." in cap.err  # progress on stderr
 
 
+def test_workloads_file_runs_the_users_shapes(tmp_path, monkeypatch, capsys):
+    """A JSON list of workloads (workloads.json's keys) is run, checked against the reference, in
+    place of the defaults; --workloads may pick among them."""
+    monkeypatch.setattr(wl, "_ADDED", [])
+    mine = [
+        {"name": "my_varlen", "batch": 3, "qo_min": 5, "qo_max": 40, "prefix_max": 30, "seed": 4,
+         "heads_q": 6, "heads_kv": 2, "head_dim_qk": 32, "head_dim_vo": 32, "page_size": 4, "causal": True},
+        {"name": "my_ragged", "batch": 2, "qo_len": 17, "prefix": 9, "heads_q": 5, "heads_kv": 1,
+         "head_dim_qk": 48, "head_dim_vo": 48, "page_size": 0, "causal": False},
+    ]  # fmt: skip
+    path, out = tmp_path / "mine.json", tmp_path / "r.json"
+    path.write_text(json.dumps(mine))
+    rc = cli.main([*FAST, "--workloads-file", str(path), "--backends", "torch", "--out-json", str(out)])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.out + cap.err
+    rows = _rows(out)
+    assert [r["workload"] for r in rows] == ["my_varlen", "my_ragged"]
+    assert all(r["ok"] is True and r["ms"] > 0 for r in rows)
+    assert rows[0]["gflop"] == pytest.approx(wl.flops(mine[0]) / 1e9, abs=5e-4)  # (rows keep 3 decimals)
+    rc = cli.main([*FAST, "--workloads-file", str(path), "--workloads", "my_ragged", "--out-json", str(out)])
+    assert rc == 0 and [r["workload"] for r in _rows(out)] == ["my_ragged"]
+    assert cli.main(["--list", "--workloads-file", str(path)]) == 0
+    assert f"workloads of {path}:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "entries, message",
+    [
+        ([{"name": "x"}], "workload 'x': 'batch' expected an int >= 1, got None"),
+        ("not a list", "expected a list of workloads"),
+        ([{**wl.CPU_WORKLOADS[0], "name": "a", "causal": 1}], "workload 'a': 'causal' expected true or false"),
+        ([{**wl.CPU_WORKLOADS[0], "name": "a", "heads_kv": 3}], "'heads_kv' expected a divisor of heads_q = 4"),
+        ([{**wl.CPU_WORKLOADS[0], "name": "a"}, {**wl.CPU_WORKLOADS[0], "name": "a"}], "repeated: a"),
+        ([wl.CPU_WORKLOADS[0]], "the name of one of the project's workloads"),
+        ([{**wl.CPU_WORKLOADS[0], "name": "a", "dtype": "int8"}], "dtype must be one of"),
+    ],
+)
+def test_workloads_file_errors_name_the_entry_and_key(entries, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(wl, "_ADDED", [])
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(entries))
+    assert cli.main([*FAST, "--workloads-file", str(path)]) == 2
+    assert message in capsys.readouterr().err
+    assert cli.main([*FAST, "--layers", "1", "--workloads-file", str(path)]) == 2
+    assert "table mode only" in capsys.readouterr().err
+    assert wl._ADDED == []
+
+
 @pytest.mark.needs_triton
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter path")
 def test_cpu_triton_under_the_interpreter_uses_fp16(tmp_path, capsys):

@@ -33,8 +33,10 @@ __all__ = [
     "CPU_WORKLOADS",
     "FP8_DTYPE",
     "FP8_SCALE",
+    "add_workloads",
     "build_case",
     "case_lengths",
+    "check_workload",
     "data_kind",
     "dense_reference_inputs",
     "flops",
@@ -43,6 +45,7 @@ __all__ = [
     "load_workloads",
     "quantize_case",
     "quantize_fp8",
+    "read_workloads",
     "reference_fp64",
     "visible_pairs",
 ]
@@ -101,12 +104,79 @@ def load_workloads() -> list[dict]:
     return [dict(w) for w in json.loads(text)["workloads"]]
 
 
+# workloads added from a user's file (:func:`add_workloads`), after the project's and the CPU ones
+_ADDED: list[dict] = []
+
+_INT_KEYS = {"batch": 1, "heads_q": 1, "heads_kv": 1, "head_dim_qk": 1, "head_dim_vo": 1, "page_size": 0}
+_OPTIONAL_INT_KEYS = {"qo_len": 0, "qo_min": 0, "qo_max": 0, "prefix": 0, "prefix_max": 0, "seed": 0}
+
+
+def check_workload(w: object, where: str = "workload") -> dict:
+    """One workload entry as ``workloads.json`` holds it, checked: ``name``; ints ``batch``,
+    ``heads_q``, ``heads_kv`` (dividing ``heads_q``), ``head_dim_qk``, ``head_dim_vo``, ``page_size``
+    (0: ragged K/V); ``qo_len`` or ``qo_min`` <= ``qo_max``; ``prefix`` or ``prefix_max``; bool
+    ``causal``; optional ``seed`` and ``dtype`` (one of ``DATA_KINDS``). Raises ValueError naming
+    the entry and the key."""
+    if not isinstance(w, dict):
+        raise ValueError(f"{where}: expected an object of workload keys, got {type(w).__name__}")
+    name = w.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}: 'name' expected a non-empty string, got {name!r}")
+    where = f"workload {name!r}"
+    for key, low in {**_INT_KEYS, **_OPTIONAL_INT_KEYS}.items():
+        v = w.get(key)
+        if v is None and key in _OPTIONAL_INT_KEYS:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{where}: {key!r} expected an int >= {low}, got {v!r}")
+    if w["heads_q"] % w["heads_kv"]:
+        raise ValueError(f"{where}: 'heads_kv' expected a divisor of heads_q = {w['heads_q']}, got {w['heads_kv']}")
+    if "qo_len" not in w and not ("qo_min" in w and "qo_max" in w and w["qo_min"] <= w["qo_max"]):
+        raise ValueError(f"{where}: expected 'qo_len', or 'qo_min' <= 'qo_max'")
+    if "prefix" not in w and "prefix_max" not in w:
+        raise ValueError(f"{where}: expected 'prefix' or 'prefix_max'")
+    if not isinstance(w.get("causal"), bool):
+        raise ValueError(f"{where}: 'causal' expected true or false, got {w.get('causal')!r}")
+    data_kind(w)
+    return dict(w)
+
+
+def read_workloads(path: str) -> list[dict]:
+    """The workloads of a JSON file: a list of entries, or an object with a ``"workloads"`` list
+    (``workloads.json``'s form), each checked by :func:`check_workload`; names must be unique."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"workloads file {path}: {e}") from e
+    entries = data.get("workloads") if isinstance(data, dict) else data
+    if not isinstance(entries, list):
+        raise ValueError(f"workloads file {path}: expected a list of workloads (or {{'workloads': [...]}})")
+    out = [check_workload(w, f"{path} entry {i}") for i, w in enumerate(entries)]
+    names = [w["name"] for w in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"workloads file {path}: names must be unique, repeated: {', '.join(dup)}")
+    return out
+
+
+def add_workloads(entries: Sequence[dict]) -> None:
+    """Make ``entries`` (checked) known to :func:`get_workload`; a name the project already uses is
+    refused, one added before is replaced."""
+    taken = {w["name"] for w in load_workloads() + CPU_WORKLOADS}
+    for w in entries:
+        w = check_workload(w)
+        if w["name"] in taken:
+            raise ValueError(f"workload {w['name']!r}: the name of one of the project's workloads; choose another")
+        _ADDED[:] = [x for x in _ADDED if x["name"] != w["name"]] + [w]
+
+
 def get_workload(name: str) -> dict:
-    """A workload by name, from ``workloads.json`` or :data:`CPU_WORKLOADS`."""
-    for w in load_workloads() + CPU_WORKLOADS:
+    """A workload by name, from ``workloads.json``, :data:`CPU_WORKLOADS` or :func:`add_workloads`."""
+    for w in load_workloads() + CPU_WORKLOADS + _ADDED:
         if w["name"] == name:
             return dict(w)
-    known = [w["name"] for w in load_workloads() + CPU_WORKLOADS]
+    known = [w["name"] for w in load_workloads() + CPU_WORKLOADS + _ADDED]
     raise KeyError(f"unknown workload {name!r}; known: {', '.join(known)}")
 
 

@@ -49,6 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma list from {', '.join(ALL_BACKENDS)} (default on a GPU: cudnn,triton,auto,fa3-varlen,"
         "fa2-varlen; --layers: triton,cudnn,fa3-varlen,fa2-varlen; on the CPU: torch)",
     )
+    p.add_argument(
+        "--workloads-file",
+        metavar="PATH",
+        help="table mode: a JSON list of workloads with workloads.json's keys (name, batch, qo_len or "
+        "qo_min/qo_max, prefix or prefix_max, heads_q, heads_kv, head_dim_qk, head_dim_vo, page_size, "
+        "causal; optional seed, dtype); they are run unless --workloads names others",
+    )
     p.add_argument("--list", action="store_true", help="list the workloads and layer cases, then exit")
     p.add_argument(
         "--dtype",
@@ -122,16 +129,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
-def list_everything() -> None:
+def _describe(w: dict) -> str:
+    q_lens, kv_lens = wl.lengths(w)
+    dims = f"D {w['head_dim_qk']}/{w['head_dim_vo']}"
+    return (
+        f"  {w['name']:<24} batch {w['batch']:>3}, heads {w['heads_q']}/{w['heads_kv']}, {dims}, "
+        f"page {w['page_size']}, {wl.data_kind(w)}, {sum(q_lens)} q / {sum(kv_lens)} kv tokens, "
+        f"{wl.flops(w) / 1e9:.1f} GFLOP"
+    )
+
+
+def list_everything(workloads_file: str | None = None) -> None:
     say("workloads (table mode):")
     for w in wl.load_workloads():
-        q_lens, kv_lens = wl.lengths(w)
-        dims = f"D {w['head_dim_qk']}/{w['head_dim_vo']}"
-        say(
-            f"  {w['name']:<24} batch {w['batch']:>3}, heads {w['heads_q']}/{w['heads_kv']}, {dims}, "
-            f"page {w['page_size']}, {wl.data_kind(w)}, {sum(q_lens)} q / {sum(kv_lens)} kv tokens, "
-            f"{wl.flops(w) / 1e9:.1f} GFLOP"
-        )
+        say(_describe(w))
+    if workloads_file:
+        say(f"workloads of {workloads_file}:")
+        for w in wl.read_workloads(workloads_file):
+            say(_describe(w))
     say("CPU workloads (the default without a GPU):")
     for w in wl.CPU_WORKLOADS:
         say(f"  {w['name']}")
@@ -174,6 +189,8 @@ def resolve(args: argparse.Namespace, device: torch.device) -> None:
         raise UsageError("--append needs --out-json")
     if args.cuda_graph and mode != "table":
         raise UsageError("--cuda-graph applies to the table mode only")
+    if args.workloads_file and mode != "table":
+        raise UsageError("--workloads-file applies to the table mode only")
     if args.device_lengths and mode == "layers":
         raise UsageError("--device-lengths has no effect with --layers: each layer case says where its lengths live")
     if mode == "serving":
@@ -194,8 +211,16 @@ def resolve(args: argparse.Namespace, device: torch.device) -> None:
         known = layers.known_cases()
         names = _csv(args.workloads) or layers.default_cases(device)
     else:
-        known = {w["name"] for w in wl.load_workloads() + wl.CPU_WORKLOADS}
         source = wl.load_workloads() if device.type == "cuda" else wl.CPU_WORKLOADS
+        known = {w["name"] for w in wl.load_workloads() + wl.CPU_WORKLOADS}
+        if args.workloads_file:
+            try:
+                added = wl.read_workloads(args.workloads_file)
+                wl.add_workloads(added)
+            except ValueError as e:
+                raise UsageError(str(e)) from e
+            source = added
+            known |= {w["name"] for w in added}
         names = _csv(args.workloads) or [w["name"] for w in source]
     bad = [n for n in names if n not in known]
     if bad:
@@ -228,10 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.list:
         try:
-            list_everything()
+            list_everything(args.workloads_file)
             sys.stdout.flush()
         except BrokenPipeError:  # (`--list | head`: the reader left; nothing more to say)
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except ValueError as e:
+            print(f"pagedprefill-bench: error: {e}", file=sys.stderr)
+            return 2
         return 0
     try:
         device = resolve_device(args.device)
