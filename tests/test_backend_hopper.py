@@ -1007,7 +1007,8 @@ def test_gpu_window_tile_boundaries(window, monkeypatch):
 @pytest.mark.gpu
 def test_gpu_default_routing():
     """The Hopper kernel serves what it can unless split-KV is chosen; backend="auto" sends its
-    calls to Triton (D 256 too, on TMA-boxed pages), and calls on the portable kernel (D 80) to cuDNN."""
+    calls to Triton (D 256 too, on TMA-boxed pages) except a handful of short prompts at D 128 (few
+    key tiles per program), and calls on the portable kernel (D 80) to cuDNN."""
 
     def case(dqk=128, page_size=16, lens_q=(30,), lens_kv=(90,), dvo=None):
         return make_case(
@@ -1028,8 +1029,11 @@ def test_gpu_default_routing():
         assert tb.uses_hopper_kernel(batch_of(c))
     assert not tb.uses_hopper_kernel(batch_of(case(dqk=80)))
     assert not tb.uses_hopper_kernel(batch_of(case(lens_q=(4,), lens_kv=(9000,))))  # split-KV
+    long = case(lens_q=(8192,), lens_kv=(8192,))
+    assert not tb.few_tiles(batch_of(long)) and tb.few_tiles(batch_of(case()))
     for c, expect in (
-        (case(), "triton"),
+        (case(), "cudnn"),  # (30 tokens: few key tiles a program)
+        (long, "triton"),
         (case(dqk=64), "triton"),
         (case(dqk=80), "cudnn"),
         (case(dqk=96), "triton"),

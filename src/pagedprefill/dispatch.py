@@ -52,6 +52,8 @@ def auto_order(batch: PrefillBatch, workspace_bytes: int | None = None) -> list[
       16 and 64, ragged, 64 to 16k query tokens, GQA 4-8, MLA, D 96); at D 256 too where its tiles
       come by TMA on two 64-key stages with K released apart from V (1.04x cuDNN), while the five
       32-key stages it takes elsewhere (pages the TMA cannot box) read 0.97x, so cuDNN goes first there;
+      but at D 128 a batch whose host lengths leave the kernel's programs few key tiles each (a
+      handful of short prompts, ``triton.few_tiles``) goes to cuDNN first (1.05-1.24x Triton there);
     * page sizes under 16 (per-key gathers, where cuDNN's paged kernel is slow), fp8 (cuDNN refuses
       fp8 attention before Blackwell) and logit soft-capping or CSR pages (cuDNN has neither): Triton;
     * everything else (other head dims on the portable kernel): cuDNN first.
@@ -66,7 +68,8 @@ def auto_order(batch: PrefillBatch, workspace_bytes: int | None = None) -> list[
         hopper = tb.uses_hopper_kernel(batch, workspace_bytes)
     except ImportError:
         hopper = False
-    triton_first = (hopper and (batch.head_dim_vo <= 128 or tb.hopper_config(batch).split)) or (
+    hopper_first = hopper and (batch.head_dim_vo <= 128 or tb.hopper_config(batch).split) and not tb.few_tiles(batch)
+    triton_first = hopper_first or (
         (batch.paged and batch.page_size < 16)
         or batch.fp8_q
         or batch.fp8_kv

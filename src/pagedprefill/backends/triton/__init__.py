@@ -63,6 +63,12 @@ def hopper_config(batch: PrefillBatch) -> hopper.Config:
     return hopper.config(batch)
 
 
+def few_tiles(batch: PrefillBatch) -> bool:
+    """Whether the Hopper kernel would have few key tiles per program for this call (see
+    :func:`.hopper.few_tiles`): a handful of short prompts at D 128, where cuDNN measured faster."""
+    return hopper.few_tiles(batch)
+
+
 def plan(batch: PrefillBatch, workspace_bytes: int | None):
     """The launches of this batch (``workspace_bytes``: the caller's scratch, which bounds split-KV and
     the Hopper kernel's split last round; 0 where the caller disables both)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -172,6 +173,43 @@ def static_rounds(batch: PrefillBatch, block_m: int) -> bool:
     else:
         filled = sum(-(-q * g // block_m) for q in h.lens_q)
     return 5 * filled >= 4 * per_seq * n
+
+
+# host lengths that give each program fewer key tiles of 192-row items than this (D 128, 16-bit K/V)
+# ran faster on cuDNN (`tune_hopper.py`, two rounds each, 4-32 prompts of <= 1024 tokens without
+# prefix: cuDNN 1.05x Triton at 83 tiles a program, 1.08x at 38, 1.16x at 46, 1.24x at 15; Triton 1.10x
+# at 128 tiles, 1.18x at 157 and 1.16x at 191): `dispatch.auto_order` sends them to cuDNN
+FEW_TILES = 100
+H200_SMS = 132  # (programs assumed off a GPU, where no device says)
+
+
+def tiles_per_program(
+    batch: PrefillBatch, programs: int, limit: float = math.inf, block_m: int = 192, block_n: int = 64
+) -> float:
+    """Key tiles of ``block_m``-row items per program (host lengths; closed form per sequence: item
+    m of n sees the prefix and ``(m + 1) block_m / group`` of its queries when causal). The count
+    stops once it passes ``limit`` (what it returns then is only known to exceed it)."""
+    g, tot = batch.group_size, 0.0
+    stop = limit * programs / batch.num_kv_heads
+    for q, kv in zip(batch.host.lens_q, batch.host.lens_kv):
+        if q <= 0:
+            continue
+        n = -(-q * g // block_m)
+        whole = n * -(-kv // block_n)
+        tot += min(n * (kv - q + block_m / g * (n + 1) / 2) / block_n + n / 2, whole) if batch.causal else whole
+        if tot > stop:
+            break
+    return tot * batch.num_kv_heads / programs
+
+
+def few_tiles(batch: PrefillBatch) -> bool:
+    """Whether this D 128 call with 16-bit K/V and host lengths leaves each program under
+    :data:`FEW_TILES` key tiles (a handful of short prompts: too few items to keep the persistent
+    grid's programs busy). Device lengths: False."""
+    if batch.host is None or (batch.head_dim_qk, batch.head_dim_vo) != (128, 128) or batch.fp8_kv or batch.fp8_q:
+        return False
+    sms = _num_sms(batch.device) if batch.device.type == "cuda" else H200_SMS
+    return tiles_per_program(batch, sms, FEW_TILES) < FEW_TILES
 
 
 # the last static round's items are split into at most this many shares, each of at least
