@@ -255,6 +255,7 @@ def test_workloads_file_runs_the_users_shapes(tmp_path, monkeypatch, capsys):
         {"name": "my_ragged", "batch": 2, "qo_len": 17, "prefix": 9, "heads_q": 5, "heads_kv": 1,
          "head_dim_qk": 48, "head_dim_vo": 48, "page_size": 0, "causal": False},
     ]  # fmt: skip
+    del mine[1]["head_dim_vo"]  # (optional: head_dim_qk's)
     path, out = tmp_path / "mine.json", tmp_path / "r.json"
     path.write_text(json.dumps(mine))
     rc = cli.main([*FAST, "--workloads-file", str(path), "--backends", "torch", "--out-json", str(out)])
@@ -280,6 +281,9 @@ def test_workloads_file_runs_the_users_shapes(tmp_path, monkeypatch, capsys):
         ([{**wl.CPU_WORKLOADS[0], "name": "a"}, {**wl.CPU_WORKLOADS[0], "name": "a"}], "repeated: a"),
         ([wl.CPU_WORKLOADS[0]], "the name of one of the project's workloads"),
         ([{**wl.CPU_WORKLOADS[0], "name": "a", "dtype": "int8"}], "dtype must be one of"),
+        ([{**wl.CPU_WORKLOADS[0], "name": "a", "qo_len": None}], "'qo_len' expected an int >= 0, got None"),
+        ([{**wl.CPU_WORKLOADS[0], "name": "a", "sede": 3}], "unknown key(s) ['sede']"),
+        ([{**wl.CPU_WORKLOADS[0], "name": "a"}, wl.CPU_WORKLOADS[1]], "the name of one of the project's"),
     ],
 )
 def test_workloads_file_errors_name_the_entry_and_key(entries, message, tmp_path, monkeypatch, capsys):

@@ -107,26 +107,30 @@ def load_workloads() -> list[dict]:
 # workloads added from a user's file (:func:`add_workloads`), after the project's and the CPU ones
 _ADDED: list[dict] = []
 
-_INT_KEYS = {"batch": 1, "heads_q": 1, "heads_kv": 1, "head_dim_qk": 1, "head_dim_vo": 1, "page_size": 0}
-_OPTIONAL_INT_KEYS = {"qo_len": 0, "qo_min": 0, "qo_max": 0, "prefix": 0, "prefix_max": 0, "seed": 0}
+_INT_KEYS = {"batch": 1, "heads_q": 1, "heads_kv": 1, "head_dim_qk": 1, "page_size": 0}
+_OPTIONAL_INT_KEYS = {"head_dim_vo": 1, "qo_len": 0, "qo_min": 0, "qo_max": 0, "prefix": 0, "prefix_max": 0, "seed": 0}
+_KEYS = {"name", "causal", "dtype", *_INT_KEYS, *_OPTIONAL_INT_KEYS}
 
 
 def check_workload(w: object, where: str = "workload") -> dict:
     """One workload entry as ``workloads.json`` holds it, checked: ``name``; ints ``batch``,
-    ``heads_q``, ``heads_kv`` (dividing ``heads_q``), ``head_dim_qk``, ``head_dim_vo``, ``page_size``
-    (0: ragged K/V); ``qo_len`` or ``qo_min`` <= ``qo_max``; ``prefix`` or ``prefix_max``; bool
-    ``causal``; optional ``seed`` and ``dtype`` (one of ``DATA_KINDS``). Raises ValueError naming
-    the entry and the key."""
+    ``heads_q``, ``heads_kv`` (dividing ``heads_q``), ``head_dim_qk``, ``page_size`` (0: ragged
+    K/V); ``qo_len`` or ``qo_min`` <= ``qo_max``; ``prefix`` or ``prefix_max``; bool ``causal``;
+    optional ``head_dim_vo`` (default ``head_dim_qk``), ``seed`` and ``dtype`` (one of
+    ``DATA_KINDS``); no other key. Raises ValueError naming the entry and the key."""
     if not isinstance(w, dict):
         raise ValueError(f"{where}: expected an object of workload keys, got {type(w).__name__}")
     name = w.get("name")
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where}: 'name' expected a non-empty string, got {name!r}")
     where = f"workload {name!r}"
+    unknown = sorted(set(w) - _KEYS)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; expected keys among {sorted(_KEYS)}")
     for key, low in {**_INT_KEYS, **_OPTIONAL_INT_KEYS}.items():
-        v = w.get(key)
-        if v is None and key in _OPTIONAL_INT_KEYS:
+        if key not in w and key in _OPTIONAL_INT_KEYS:  # (present as null: refused below)
             continue
+        v = w.get(key)
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise ValueError(f"{where}: {key!r} expected an int >= {low}, got {v!r}")
     if w["heads_q"] % w["heads_kv"]:
@@ -138,7 +142,7 @@ def check_workload(w: object, where: str = "workload") -> dict:
     if not isinstance(w.get("causal"), bool):
         raise ValueError(f"{where}: 'causal' expected true or false, got {w.get('causal')!r}")
     data_kind(w)
-    return dict(w)
+    return {**w, "head_dim_vo": w.get("head_dim_vo", w["head_dim_qk"])}
 
 
 def read_workloads(path: str) -> list[dict]:
@@ -164,10 +168,11 @@ def add_workloads(entries: Sequence[dict]) -> None:
     """Make ``entries`` (checked) known to :func:`get_workload`; a name the project already uses is
     refused, one added before is replaced."""
     taken = {w["name"] for w in load_workloads() + CPU_WORKLOADS}
-    for w in entries:
-        w = check_workload(w)
+    checked = [check_workload(w) for w in entries]  # (all checked before any is added)
+    for w in checked:
         if w["name"] in taken:
             raise ValueError(f"workload {w['name']!r}: the name of one of the project's workloads; choose another")
+    for w in checked:
         _ADDED[:] = [x for x in _ADDED if x["name"] != w["name"]] + [w]
 
 

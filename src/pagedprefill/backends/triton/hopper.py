@@ -159,9 +159,10 @@ def static_rounds(batch: PrefillBatch, block_m: int) -> bool:
     tokens, the row blocks under 80% filled: programs that share K/V in step gain less there than the
     counter's balance; `tune_hopper.py` on the H200: 32 ragged prompts of 16-505 tokens +5.5% off the
     counter, 16 of 128-1014 +8%, 64 of 16-975 +8%; 128 of 8-256 tokens -15%, 16 equal 1k prompts -10%;
-    384 lies between the longest prompts measured either way). With lengths on the device the fill is
-    estimated from q's rows (their sum, or a bound of it) with half a block of padding a sequence, so
-    that deciding needs no sync."""
+    384 lies between the longest prompts measured either way). With lengths on the device (no sync:
+    ``max_q`` is the caller's bound) the fill is estimated from q's rows (their sum, or a bound of it)
+    with half a block of padding a sequence, and only prompts averaging >= 192 tokens may take the
+    counter (a loose bound over short prompts would otherwise look uneven)."""
     if batch.work_kv >= 4 * batch.work_q:
         return True
     if batch.work_q > 1024 or batch.work_q < 384:
@@ -169,7 +170,10 @@ def static_rounds(batch: PrefillBatch, block_m: int) -> bool:
     g, h, n = batch.group_size, batch.host, batch.batch_size
     per_seq = -(-batch.work_q * g // block_m)
     if h is None:
-        filled = -(-min(batch.q.rows, n * batch.work_q) * g // block_m) + n // 2
+        rows = min(batch.q.rows, n * batch.work_q)
+        if rows < 192 * n:
+            return True
+        filled = -(-rows * g // block_m) + n // 2
     else:
         filled = sum(-(-q * g // block_m) for q in h.lens_q)
     return 5 * filled >= 4 * per_seq * n
@@ -187,16 +191,23 @@ def tiles_per_program(
     batch: PrefillBatch, programs: int, limit: float = math.inf, block_m: int = 192, block_n: int = 64
 ) -> float:
     """Key tiles of ``block_m``-row items per program (host lengths; closed form per sequence: item
-    m of n sees the prefix and ``(m + 1) block_m / group`` of its queries when causal). The count
-    stops once it passes ``limit`` (what it returns then is only known to exceed it)."""
+    m of n sees ``kv - q + (m + 1) block_m / group`` keys when causal, none for the first m0 items
+    where that is <= 0 (fewer keys than queries), half a tile of rounding each). The count stops
+    once it passes ``limit`` (what it returns then is only known to exceed it)."""
     g, tot = batch.group_size, 0.0
     stop = limit * programs / batch.num_kv_heads
     for q, kv in zip(batch.host.lens_q, batch.host.lens_kv):
-        if q <= 0:
+        if q <= 0 or kv <= 0:
             continue
         n = -(-q * g // block_m)
         whole = n * -(-kv // block_n)
-        tot += min(n * (kv - q + block_m / g * (n + 1) / 2) / block_n + n / 2, whole) if batch.causal else whole
+        if batch.causal:
+            m0 = min(max((q - kv) * g // block_m, 0), n)
+            k = n - m0
+            part = (k * (kv - q) + block_m / g * (n * (n + 1) - m0 * (m0 + 1)) / 2) / block_n + k / 2
+            tot += min(max(part, 0.0), whole)
+        else:
+            tot += whole
         if tot > stop:
             break
     return tot * batch.num_kv_heads / programs
@@ -205,8 +216,11 @@ def tiles_per_program(
 def few_tiles(batch: PrefillBatch) -> bool:
     """Whether this D 128 call with 16-bit K/V and host lengths leaves each program under
     :data:`FEW_TILES` key tiles (a handful of short prompts: too few items to keep the persistent
-    grid's programs busy). Device lengths: False."""
+    grid's programs busy). False where it was not measured: device lengths, a window, sinks or
+    soft-capping, pages of >= 64 tokens (128 x 128 tiles there) or under 16."""
     if batch.host is None or (batch.head_dim_qk, batch.head_dim_vo) != (128, 128) or batch.fp8_kv or batch.fp8_q:
+        return False
+    if batch.variants or (batch.paged and not 16 <= batch.page_size < 64):
         return False
     sms = _num_sms(batch.device) if batch.device.type == "cuda" else H200_SMS
     return tiles_per_program(batch, sms, FEW_TILES) < FEW_TILES
@@ -273,7 +287,8 @@ def config(batch: PrefillBatch) -> Config:
         base = replace(base, stages=F8_STAGES)
     elif (batch.head_dim_qk, batch.head_dim_vo) == (96, 96) and not batch.fp8_kv:
         base = replace(base, stages=D96_STAGES)
-    if static_rounds(batch, 64 * over.get("consumers", base.consumers)):  # (the rows the run's items take)
+    # (the rows the run's items take; a bad consumer count is refused below)
+    if static_rounds(batch, 64 * max(over.get("consumers", base.consumers), 1)):
         base = replace(base, dynamic=0)
     if "consumers" in over and "consumer_regs" not in over and over["consumers"] in CONSUMER_REGS:
         over["consumer_regs"] = CONSUMER_REGS[over["consumers"]]
