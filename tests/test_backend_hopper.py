@@ -60,6 +60,9 @@ def test_config_knobs_are_validated():
     ):
         with tuning.override("hopper", **bad), pytest.raises(ValueError, match=msg):
             hp.config(batch)
+    mid = batch_of(_case(lens_q=[500, 400], lens_kv=[500, 400]))  # (the static-rounds rule's fill count)
+    with tuning.override("hopper", consumers=0), pytest.raises(ValueError, match="consumers must be 2 or 3"):
+        hp.config(mid)
 
 
 def test_not_used_off_the_gpu():
