@@ -1018,7 +1018,7 @@ def test_gpu_window_tile_boundaries(window, monkeypatch):
 def test_gpu_default_routing():
     """The Hopper kernel serves what it can unless split-KV is chosen; backend="auto" sends its
     calls to Triton (D 256 too, on TMA-boxed pages) except a handful of short prompts at D 128 (few
-    key tiles per program), and calls on the portable kernel (D 80) to cuDNN."""
+    key tiles per program, >= 20 GFLOP), and calls on the portable kernel (D 80) to cuDNN."""
 
     def case(dqk=128, page_size=16, lens_q=(30,), lens_kv=(90,), dvo=None):
         return make_case(
@@ -1040,9 +1040,11 @@ def test_gpu_default_routing():
     assert not tb.uses_hopper_kernel(batch_of(case(dqk=80)))
     assert not tb.uses_hopper_kernel(batch_of(case(lens_q=(4,), lens_kv=(9000,))))  # split-KV
     long = case(lens_q=(8192,), lens_kv=(8192,))
-    assert not tb.few_tiles(batch_of(long)) and tb.few_tiles(batch_of(case()))
+    four = case(lens_q=(2048,) * 4, lens_kv=(2048,) * 4)  # (34 GFLOP in 44 key tiles a program)
+    assert not tb.few_tiles(batch_of(long)) and tb.few_tiles(batch_of(four)) and tb.few_tiles(batch_of(case()))
     for c, expect in (
-        (case(), "cudnn"),  # (30 tokens: few key tiles a program)
+        (case(), "triton"),  # (30 tokens: few tiles, but a kernel shorter than cuDNN's host time)
+        (four, "cudnn"),  # (few key tiles a program)
         (long, "triton"),
         (case(dqk=64), "triton"),
         (case(dqk=80), "cudnn"),

@@ -16,14 +16,16 @@ from pagedprefill.backends import triton as tb
 from pagedprefill.backends.triton import hopper as hp
 
 
-def _cuda_batch(busy=True, **kw):
+def _cuda_batch(busy=True, host_lens=None, **kw):
     """A real batch description, moved (on paper) to a CUDA device: the policy reads only the
     description. ``busy``: its host lengths read as two 8k prompts (enough key tiles per program
-    that the few-tiles rule does not apply)."""
+    that the few-tiles rule does not apply); ``host_lens``: ``(lens_q, lens_kv)`` they read as
+    instead (the policy's inputs without the tensors' memory)."""
     base = dict(lens_q=[5, 7], lens_kv=[9, 20], hq=8, hkv=2, dqk=128, page_size=16, dtype=torch.float16)
     b = dataclasses.replace(batch_of(make_case(1, **{**base, **kw})), device=torch.device("cuda", 0))
-    if busy:
-        b = dataclasses.replace(b, host=dataclasses.replace(b.host, lens_q=(8192, 8192), lens_kv=(8192, 8192)))
+    if busy or host_lens is not None:
+        lq, lkv = host_lens if host_lens is not None else ((8192, 8192), (8192, 8192))
+        b = dataclasses.replace(b, host=dataclasses.replace(b.host, lens_q=tuple(lq), lens_kv=tuple(lkv)))
     return b
 
 
@@ -62,16 +64,23 @@ def test_the_hopper_kernel_goes_first_wherever_it_serves(hopper):
 
 def test_a_handful_of_short_prompts_goes_to_cudnn_at_d128(hopper):
     """At D 128 with 16-bit K/V, host lengths that leave each of the Hopper kernel's programs under
-    FEW_TILES key tiles (measured 1.05-1.24x faster on cuDNN) go to cuDNN first; more work, other
-    head dims, device lengths and what cuDNN cannot serve stay on Triton."""
-    small = dict(busy=False, lens_q=[634, 578, 344, 488], lens_kv=[634, 578, 344, 488], hq=32, hkv=8)
+    FEW_TILES key tiles (measured 1.05-1.16x faster on cuDNN) go to cuDNN first, unless the call is
+    under CUDNN_MIN_FLOPS (its kernel shorter than cuDNN's host time); more work, other head dims,
+    device lengths and what cuDNN cannot serve stay on Triton."""
+    lens = [1014, 792, 149, 352, 235, 547, 480, 390, 765, 790, 956, 621, 533, 614, 786, 733]  # (x_varlen_b16_q1k)
+    small = dict(busy=False, host_lens=(lens, lens), hq=32, hkv=8)
     assert hp.tiles_per_program(_cuda_batch(**small), 132) < hp.FEW_TILES
+    assert dispatch._host_flops(_cuda_batch(**small)) == pytest.approx(56.3e9, rel=2e-3)  # (its GFLOP)
     assert dispatch.auto_order(_cuda_batch(**small)) == ["cudnn", "triton", "torch"]
     assert dispatch.auto_order(_cuda_batch(**small, page_size=0))[0] == "cudnn"
-    big = dict(small, lens_q=[1024] * 16, lens_kv=[1024] * 16)  # (llama8b_b16_q1k: 191 tiles, Triton 1.16x)
+    tiny = dict(small, host_lens=([634, 578, 344, 488],) * 2)  # (9 GFLOP: ~50 µs of kernel)
+    assert hp.tiles_per_program(_cuda_batch(**tiny), 132) < hp.FEW_TILES
+    assert dispatch._host_flops(_cuda_batch(**tiny)) < dispatch.CUDNN_MIN_FLOPS
+    assert dispatch.auto_order(_cuda_batch(**tiny))[0] == "triton"
+    big = dict(small, host_lens=([1024] * 16,) * 2)  # (llama8b_b16_q1k: 191 tiles, Triton 1.16x)
     assert hp.tiles_per_program(_cuda_batch(**big), 132) >= hp.FEW_TILES
     assert dispatch.auto_order(_cuda_batch(**big))[0] == "triton"
-    unmeasured = (dict(page_size=64), dict(window_left=100), dict(sinks=True), dict(logits_soft_cap=30.0))
+    unmeasured = (dict(page_size=64), dict(window_left=4), dict(sinks=True), dict(logits_soft_cap=30.0))
     for kw in (dict(dqk=64), dict(dqk=96), dict(kv_dtype=torch.float8_e4m3fn), dict(page_size=8), *unmeasured):
         assert dispatch.auto_order(_cuda_batch(**small, **kw))[0] == "triton", kw
     on_device = dataclasses.replace(_cuda_batch(**small), host=None)

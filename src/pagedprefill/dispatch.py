@@ -43,6 +43,24 @@ def support(name: str, batch: PrefillBatch) -> str | None:
     return reason if reason is not None else module.unsupported_reason(batch)
 
 
+# the smallest call (FLOPs, 2 (Dqk + Dvo) per visible pair and query head) that auto sends to cuDNN for
+# its few tiles: ~100 µs of kernel at the ~250 TFLOP/s such batches reach, above cuDNN's host time
+CUDNN_MIN_FLOPS = 20e9
+
+
+def _host_flops(batch: PrefillBatch) -> float:
+    """The call's FLOPs from its host lengths (bottom-right causal: query i sees keys j <= i + kv - q)."""
+    pairs = 0
+    for q, kv in zip(batch.host.lens_q, batch.host.lens_kv):
+        if not batch.causal:
+            pairs += q * kv
+        elif kv >= q:
+            pairs += q * (kv - q) + q * (q + 1) // 2
+        else:
+            pairs += kv * (kv + 1) // 2
+    return 2.0 * (batch.head_dim_qk + batch.head_dim_vo) * batch.num_qo_heads * pairs
+
+
 def auto_order(batch: PrefillBatch, workspace_bytes: int | None = None) -> list[str]:
     """Backends in the order ``auto`` tries them (fastest first), from the H200 measurements in
     ``bench/results`` (each backend's device time, side by side in one run):
@@ -53,7 +71,9 @@ def auto_order(batch: PrefillBatch, workspace_bytes: int | None = None) -> list[
       come by TMA on two 64-key stages with K released apart from V (1.04x cuDNN), while the five
       32-key stages it takes elsewhere (pages the TMA cannot box) read 0.97x, so cuDNN goes first there;
       but at D 128 a batch whose host lengths leave the kernel's programs few key tiles each (a
-      handful of short prompts, ``triton.few_tiles``) goes to cuDNN first (1.05-1.24x Triton there);
+      handful of short prompts, ``triton.few_tiles``) goes to cuDNN first (1.05-1.16x Triton there),
+      unless it is under :data:`CUDNN_MIN_FLOPS` (a kernel shorter than cuDNN's host time per call:
+      40-65 µs against Triton's 15-22 in the 32-layer step, so an eager caller would wait on it);
     * page sizes under 16 (per-key gathers, where cuDNN's paged kernel is slow), fp8 (cuDNN refuses
       fp8 attention before Blackwell) and logit soft-capping or CSR pages (cuDNN has neither): Triton;
     * everything else (other head dims on the portable kernel): cuDNN first.
@@ -68,7 +88,8 @@ def auto_order(batch: PrefillBatch, workspace_bytes: int | None = None) -> list[
         hopper = tb.uses_hopper_kernel(batch, workspace_bytes)
     except ImportError:
         hopper = False
-    hopper_first = hopper and (batch.head_dim_vo <= 128 or tb.hopper_config(batch).split) and not tb.few_tiles(batch)
+    few = hopper and tb.few_tiles(batch) and _host_flops(batch) >= CUDNN_MIN_FLOPS
+    hopper_first = hopper and (batch.head_dim_vo <= 128 or tb.hopper_config(batch).split) and not few
     triton_first = hopper_first or (
         (batch.paged and batch.page_size < 16)
         or batch.fp8_q
