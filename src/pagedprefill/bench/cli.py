@@ -53,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--workloads-file",
         metavar="PATH",
         help="table mode: a JSON list of workloads with workloads.json's keys (name, batch, qo_len or "
-        "qo_min/qo_max, prefix or prefix_max, heads_q, heads_kv, head_dim_qk, head_dim_vo, page_size, "
-        "causal; optional seed, dtype); they are run unless --workloads names others",
+        "qo_min/qo_max, prefix or prefix_max, heads_q, heads_kv, head_dim_qk, page_size, causal; "
+        "optional head_dim_vo, seed, dtype); they are run unless --workloads names others",
     )
     p.add_argument("--list", action="store_true", help="list the workloads and layer cases, then exit")
     p.add_argument(
