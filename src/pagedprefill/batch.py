@@ -39,6 +39,19 @@ class BackendUnavailableError(RuntimeError):
     """An explicitly requested backend cannot run here (no GPU, package missing, ...)."""
 
 
+def visible_pairs(q_len: int, kv_len: int, causal: bool) -> int:
+    """Number of (query i, key j) pairs that attend (bottom-right aligned causal mask)."""
+    if q_len <= 0 or kv_len <= 0:
+        return 0
+    if not causal:
+        return q_len * kv_len
+    # Row i sees clamp(kv_len - q_len + i + 1, 0, kv_len) keys; the upper clamp never binds.
+    d = kv_len - q_len
+    if d >= 0:
+        return q_len * d + q_len * (q_len + 1) // 2
+    return kv_len * (kv_len + 1) // 2
+
+
 def fail(arg: str, expected: str, given: object) -> ValueError:
     """The library's error for a bad argument: names it, what was expected, what was given."""
     return ValueError(f"{arg}: expected {expected}, got {given}")

@@ -9,7 +9,7 @@ import importlib
 import threading
 from types import ModuleType
 
-from pagedprefill.batch import BackendUnavailableError, PrefillBatch, fail
+from pagedprefill.batch import BackendUnavailableError, PrefillBatch, fail, visible_pairs
 
 BACKENDS = ("auto", "cudnn", "triton", "torch")
 _MODULES = {
@@ -49,15 +49,8 @@ CUDNN_MIN_FLOPS = 20e9
 
 
 def _host_flops(batch: PrefillBatch) -> float:
-    """The call's FLOPs from its host lengths (bottom-right causal: query i sees keys j <= i + kv - q)."""
-    pairs = 0
-    for q, kv in zip(batch.host.lens_q, batch.host.lens_kv):
-        if not batch.causal:
-            pairs += q * kv
-        elif kv >= q:
-            pairs += q * (kv - q) + q * (q + 1) // 2
-        else:
-            pairs += kv * (kv + 1) // 2
+    """The call's FLOPs from its host lengths."""
+    pairs = sum(visible_pairs(q, kv, batch.causal) for q, kv in zip(batch.host.lens_q, batch.host.lens_kv))
     return 2.0 * (batch.head_dim_qk + batch.head_dim_vo) * batch.num_qo_heads * pairs
 
 

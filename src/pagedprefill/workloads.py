@@ -29,6 +29,8 @@ from importlib import resources
 import torch
 from torch import Tensor
 
+from pagedprefill.batch import visible_pairs
+
 __all__ = [
     "CPU_WORKLOADS",
     "FP8_DTYPE",
@@ -206,19 +208,6 @@ def lengths(w: dict) -> tuple[list[int], list[int]]:
     else:
         prefixes = torch.randint(0, int(w["prefix_max"]) + 1, (batch,), generator=g).tolist()
     return q_lens, [q + p for q, p in zip(q_lens, prefixes)]
-
-
-def visible_pairs(q_len: int, kv_len: int, causal: bool) -> int:
-    """Number of (query i, key j) pairs that attend (bottom-right aligned causal mask)."""
-    if q_len <= 0 or kv_len <= 0:
-        return 0
-    if not causal:
-        return q_len * kv_len
-    # Row i sees clamp(kv_len - q_len + i + 1, 0, kv_len) keys; the upper clamp never binds.
-    d = kv_len - q_len
-    if d >= 0:
-        return q_len * d + q_len * (q_len + 1) // 2
-    return kv_len * (kv_len + 1) // 2
 
 
 def flops(

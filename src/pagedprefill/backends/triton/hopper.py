@@ -187,7 +187,6 @@ def static_rounds(batch: PrefillBatch, block_m: int) -> bool:
 # prefix: cuDNN 1.05x Triton at 83 tiles a program, 1.08x at 38, 1.16x at 46, 1.24x at 15; Triton 1.10x
 # at 128 tiles, 1.18x at 157 and 1.16x at 191): `dispatch.auto_order` sends them to cuDNN
 FEW_TILES = 100
-H200_SMS = 132  # (programs assumed off a GPU, where no device says)
 
 
 def tiles_per_program(
@@ -219,14 +218,13 @@ def tiles_per_program(
 def few_tiles(batch: PrefillBatch) -> bool:
     """Whether this D 128 call with 16-bit K/V and host lengths leaves each program under
     :data:`FEW_TILES` key tiles (a handful of short prompts: too few items to keep the persistent
-    grid's programs busy). False where it was not measured: device lengths, a window, sinks or
-    soft-capping, pages of >= 64 tokens (128 x 128 tiles there) or under 16."""
+    grid's programs busy). False off a GPU and where it was not measured: device lengths, a window,
+    sinks or soft-capping, pages of >= 64 tokens (128 x 128 tiles there) or under 16."""
     if batch.host is None or (batch.head_dim_qk, batch.head_dim_vo) != (128, 128) or batch.fp8_kv or batch.fp8_q:
         return False
-    if batch.variants or (batch.paged and not 16 <= batch.page_size < 64):
+    if batch.variants or (batch.paged and not 16 <= batch.page_size < 64) or batch.device.type != "cuda":
         return False
-    sms = _num_sms(batch.device) if batch.device.type == "cuda" else H200_SMS
-    return tiles_per_program(batch, sms, FEW_TILES) < FEW_TILES
+    return tiles_per_program(batch, _num_sms(batch.device), FEW_TILES) < FEW_TILES
 
 
 # the last static round's items are split into at most this many shares, each of at least
