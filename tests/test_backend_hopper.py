@@ -57,7 +57,6 @@ def test_config_knobs_are_validated():
         (dict(chunk=-1), "chunk must be >= 0"),
         (dict(dynamic=2), "dynamic must be 0 or 1"),
         (dict(shares=65), "shares must be in"),
-        (dict(qreg=2), "qreg must be 0 or 1"),
     ):
         with tuning.override("hopper", **bad), pytest.raises(ValueError, match=msg):
             hp.config(batch)
@@ -618,9 +617,6 @@ SPECS = [  # (the cases' 7-token queries at GQA 4 take NARROW at D 128 unless th
     (96, 16, True, "bfloat16", 96, dict(kv_dtype="float8_e4m3fn")),
     (256, 0, True, "bfloat16", 256, dict(kv_dtype="float8_e4m3fn")),
     (192, 16, True, "bfloat16", 128, dict(kv_dtype="float8_e4m3fn", logits_soft_cap=30.0)),
-    # ... with Q's rows in registers as the QK A operand (qreg): D 128 on two consumers, D 64 on three
-    (128, 16, True, "bfloat16", 128, dict(kv_dtype="float8_e4m3fn", qreg=1, consumers=2, consumer_regs=224)),
-    (64, 0, True, "float16", 64, dict(kv_dtype="float8_e4m3fn", qreg=1)),
     (128, 16, True, "float8_e4m3fn", 128, {}),  # e4m3 q, k and v: 8-bit wgmmas, V transposed
     (64, 1, False, "float8_e4m3fn", 64, dict(window_left=40)),
 ]
@@ -876,24 +872,6 @@ def test_gpu_random_grid_fp8_kv(seed, monkeypatch):
     knobs = dict(chunk=seed % 5, dynamic=seed // 2 % 2)
     case = make_case(seed, **params)
     assert hp.config(batch_of(case)) is not None and hp.unavailable_reason(batch_of(case)) is None
-    out, lse = call(case, knobs=dict(num_splits=1), hopper=knobs)
-    check(case, out, lse, atol=atol_for(params["dtype"], params["kv_dtype"]), lse_atol=2e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("seed", range(1700, 1712))
-def test_gpu_fp8_kv_q_in_registers(seed, monkeypatch):
-    """``qreg``: with 8-bit K/V each item's scaled Q rows are the QK wgmma's A operand from registers
-    (D 128 on two consumers of 224 registers, D 64 on three), on the random grid."""
-    if seed % 2:
-        monkeypatch.setattr(hp, "_num_sms", lambda device, n=1 + seed % 3: n)
-    params = hopper_params(seed)
-    params["dqk"] = params["dvo"] = (64, 128)[seed % 2]
-    params["kv_dtype"] = (torch.float8_e4m3fn, torch.float8_e5m2)[seed // 2 % 2]
-    knobs = dict(qreg=1, dynamic=seed // 3 % 2)
-    if params["dqk"] == 128:
-        knobs.update(consumers=2, consumer_regs=224)
-    case = make_case(seed, **params)
     out, lse = call(case, knobs=dict(num_splits=1), hopper=knobs)
     check(case, out, lse, atol=atol_for(params["dtype"], params["kv_dtype"]), lse_atol=2e-2)
 

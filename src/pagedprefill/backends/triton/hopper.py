@@ -55,9 +55,6 @@ class Config:
     # static rounds: split the last round's items by keys into this many shares (0: as
     # `tail_shares` decides; 1: never), each merged after the kernel
     shares: int = 0
-    # 1: with 8-bit K/V, each item's scaled Q rows (the first QK part) are read into registers once
-    # and the QK wgmma takes them from there (shared-memory reads per tile: see docs/design.md)
-    qreg: int = 0
 
     @property
     def BLOCK_M(self) -> int:
@@ -320,8 +317,6 @@ def config(batch: PrefillBatch) -> Config:
         why = f"dynamic must be 0 or 1, got {cfg.dynamic}"
     elif cfg.split not in (0, 1):
         why = f"split must be 0 or 1, got {cfg.split}"
-    elif cfg.qreg not in (0, 1):
-        why = f"qreg must be 0 or 1, got {cfg.qreg}"
     elif not 0 <= cfg.shares <= 64:
         why = f"shares must be in [0, 64] (0: automatic, 1: none), got {cfg.shares}"
     elif _ring_stages(batch, cfg, _staging_bytes(batch, cfg)) < 2:
@@ -572,7 +567,6 @@ class HopperPlan:
                 K_SCALED=batch.k_scaled,
                 V_SCALED=batch.v_scaled,
                 SPLIT=bool(cfg.split) and tma is not None and not (batch.fp8_kv or batch.fp8_q),
-                QREG=bool(cfg.qreg) and batch.fp8_kv and not batch.fp8_q,
                 num_warps=4,
             )
         return got

@@ -290,10 +290,6 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
             gl.thread_barrier()
             qk_r = qk_scale * f_buf.load(gl.SliceLayout(1, S_L))
             qk_e = qk_r[:, None]
-        if geo.QREG:  # (the QK wgmmas read Q from registers: shared memory serves K only)
-            q_a = qg_sub.load(gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=KW))
-        else:
-            q_a = qg_sub
         rows_s = w.row0 + R0 + gl.arange(0, SUB_M, gl.SliceLayout(1, S_L))
         tok_s = rows_s // GROUP
         diag = tok_s + (w.kv_len - w.q_len)
@@ -340,7 +336,7 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
             mbarrier.wait(ring.full.index(s0), ((c + t_own - t_lo) // STAGES) & 1)
             if not geo.USE_TMA:  # (cp.async tiles; the load warps fence their generic writes on the TMA paths)
                 fence_async_shared()
-            s_tok = _qk_async(q_a, qg1_sub, ring.k.index(s0), ring.k1.index(s0), s_zero, DQ1)
+            s_tok = _qk_async(qg_sub, qg1_sub, ring.k.index(s0), ring.k1.index(s0), s_zero, DQ1)
             sc = warpgroup_mma_wait(0, deps=[s_tok])
             if geo.SPLIT:
                 mbarrier.arrive(ring.empty.index(s0))
@@ -375,7 +371,7 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
             # S_t = Q K_t^T in flight while O is rescaled for tile t-1 (off the path from the PV
             # GEMM's wait to the next PV GEMM); then O += P_{t-1} V_{t-1} joins it, and softmax(S_t)
             # overlaps the PV GEMM
-            s_tok = _qk_async(q_a, qg1_sub, ring.k.index(s), ring.k1.index(s), s_zero, DQ1)
+            s_tok = _qk_async(qg_sub, qg1_sub, ring.k.index(s), ring.k1.index(s), s_zero, DQ1)
             if t > t_own + 1:  # (the first tile left O zero)
                 acc = _rescale(acc, alpha)
                 if DV1 > 0:

@@ -46,7 +46,6 @@ class Geometry:
     V_SCALED: gl.constexpr  # a device v_scale multiplies O
     SPLIT: gl.constexpr  # K and V of a stage on barriers of their own (V's at STAGES + stage): K is
     # released once its QK GEMM is done, a tile before V
-    QREG: gl.constexpr  # KV8: the first QK part's A operand (the item's scaled Q rows) in registers
 
     @gluon.constexpr_function
     def __init__(
@@ -77,7 +76,6 @@ class Geometry:
         K_SCALED,
         V_SCALED,
         SPLIT,
-        QREG,
     ):
         self.GROUP = gl.constexpr(GROUP)
         self.PAGE_SIZE = gl.constexpr(PAGE_SIZE)
@@ -112,7 +110,6 @@ class Geometry:
         self.K_SCALED = gl.constexpr(K_SCALED)
         self.V_SCALED = gl.constexpr(V_SCALED)
         self.SPLIT = gl.constexpr(SPLIT)
-        self.QREG = gl.constexpr(QREG)
 
 
 @aggregate

@@ -100,7 +100,6 @@ def attention_kernel(
     K_SCALED: gl.constexpr,
     V_SCALED: gl.constexpr,
     SPLIT: gl.constexpr,
-    QREG: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each; the kernel's own
@@ -135,7 +134,6 @@ def attention_kernel(
         K_SCALED,
         V_SCALED,
         SPLIT,
-        QREG,
     )
     dtype: gl.constexpr = Q.dtype.element_ty
     # (rows swizzled over their bytes, at most 128: 16-bit 32-column parts and 8-bit 64-column tiles
