@@ -176,6 +176,30 @@ def test_config_takes_two_consumers_where_192_row_blocks_would_be_padding():
         assert cfg(64) == static
 
 
+def test_sibling_is_the_other_consumer_count_where_lengths_may_pick_it():
+    """Where `config` may pick either ``DEFAULT`` or ``NARROW`` as only lengths and batch size change
+    (D 128, 16-bit K/V, ragged or pages of 16-63 tokens, no knobs), `sibling` is the other one (the
+    plan compiles it at its first launch); elsewhere there is none."""
+
+    def batch(**kw):
+        base = dict(lens_q=[3, 700], lens_kv=[9, 900], hq=8, hkv=2, dqk=128, page_size=16, dtype=F16)
+        return batch_of(make_case(2, **{**base, **kw}))
+
+    b = batch()
+    cfg = hp.config(b)
+    sib = hp.sibling(b, cfg)
+    assert cfg.consumers == 3 and (sib.consumers, sib.consumer_regs) == (2, hp.NARROW["consumer_regs"])
+    assert dataclasses.replace(sib, consumers=3, consumer_regs=cfg.consumer_regs) == cfg  # (nothing else)
+    back = hp.sibling(b, sib)
+    assert back == cfg
+    assert hp.sibling(batch(page_size=0), cfg) is not None and hp.sibling(batch(page_size=32), cfg) is not None
+    for other in (dict(page_size=64), dict(page_size=8), dict(dqk=64), dict(kv_dtype=torch.float8_e4m3fn)):
+        ob = batch(**other)
+        assert hp.sibling(ob, hp.config(ob)) is None, other
+    with tuning.override("hopper", stages=4):
+        assert hp.sibling(b, hp.config(b)) is None
+
+
 def test_stages_fit_shared_memory():
     """Q and the K/V ring fit sm_90's 227 KB: 5 stages at D 128, 6 at D 96, 3 at Dqk 192 / Dvo 128; at
     D 256 2 of 64 keys with K released apart from V where tiles come by TMA (pages of >= 16 tokens,
@@ -1042,6 +1066,9 @@ def test_gpu_default_routing():
     long = case(lens_q=(8192,), lens_kv=(8192,))
     four = case(lens_q=(2048,) * 4, lens_kv=(2048,) * 4)  # (34 GFLOP in 44 key tiles a program)
     assert not tb.few_tiles(batch_of(long)) and tb.few_tiles(batch_of(four)) and tb.few_tiles(batch_of(case()))
+    # (the Triton kernel takes two consumers of 128-row items where few key tiles fall to each program)
+    assert hp.config(batch_of(four)).consumers == hp.config(batch_of(case())).consumers == 2
+    assert hp.config(batch_of(long)).consumers == 3
     for c, expect in (
         (case(), "triton"),  # (30 tokens: few tiles, but a kernel shorter than cuDNN's host time)
         (four, "cudnn"),  # (few key tiles a program)
@@ -1054,6 +1081,44 @@ def test_gpu_default_routing():
         out, _ = pagedprefill.cudnn_batch_prefill_with_kv_cache(**c.kwargs, backend="auto")
         assert pagedprefill.last_backend() == expect
         check_sampled(c, out, None, atol=atol_for(BF16))
+
+
+@pytest.mark.gpu
+def test_gpu_sibling_variant_compiled_at_first_launch():
+    """A handful of short prompts runs on two consumers (few key tiles a program); its first launch
+    also compiles the three-consumer variant, so that a long batch of the same layout then compiles
+    nothing (GQA 5 keeps the layout apart from other tests'; both outputs checked)."""
+    import triton
+
+    def case(seed, lens):
+        return make_case(
+            seed,
+            lens_q=lens,
+            lens_kv=[n + 37 for n in lens],
+            hq=10,
+            hkv=2,
+            dqk=128,
+            page_size=32,
+            dtype=BF16,
+            device="cuda",
+        )
+
+    short, long = case(1800, [300, 211, 97]), case(1801, [4000, 3100, 2500, 3900])
+    assert hp.config(batch_of(short)).consumers == 2 and hp.config(batch_of(long)).consumers == 3
+    compiled = []
+    old_hook = triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = lambda *a, **k: compiled.append(k.get("repr")) or False
+    try:
+        out, lse = call(short, knobs=dict(num_splits=1))
+        torch.cuda.synchronize()
+        check(short, out, lse, atol=atol_for(BF16))
+        compiled.clear()
+        out, lse = call(long, knobs=dict(num_splits=1))
+        torch.cuda.synchronize()
+        assert not compiled, f"compiled after the sibling's warm-up: {compiled}"
+        check_sampled(long, out, lse, atol=atol_for(BF16))
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = old_hook
 
 
 @pytest.mark.gpu

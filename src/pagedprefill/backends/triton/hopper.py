@@ -77,7 +77,7 @@ D256 = {"consumers": 2, "BLOCK_N": 32, "stages": 5, "consumer_regs": 224, "load_
 # the split two 64-key stages leave the loads exposed (0.8x five of 32 keys), with it 1.1x
 D256_SPLIT = {"BLOCK_N": 64, "stages": 2, "split": 1}
 # two consumers of 64 rows where a row block of 192 would pad a short query's rows by >= 1.2x more
-# than one of 128: see `prefers_narrow`
+# than one of 128 (`prefers_narrow`), and where each program would see few key tiles (`few_tiles`)
 NARROW = {"consumers": 2, "consumer_regs": 224}
 # 8-bit q, K and V: tiles are half the bytes, so the ring holds eight where shared memory allows (+2% on
 # 8k prompts at D 128 and on D 64, two rounds each; with 16-bit q, fp8 K/V and D 64 bf16 read level)
@@ -261,12 +261,12 @@ def share_bytes(batch: PrefillBatch, cfg: Config, tail: int, shares: int) -> int
 
 def config(batch: PrefillBatch) -> Config:
     """``DEFAULT``, with ``WIDE`` where :func:`prefers_wide` says so (``NARROW`` where
-    :func:`prefers_narrow` does, unless a ``wide`` knob is set), ``F8_STAGES`` ring stages with 8-bit q
-    (``D96_STAGES`` at D 96), and static rounds (``dynamic=0``) for short prompts (``max_q <= 1024``)
-    of even lengths and chunked prefill (``max_kv >= 4 max_q``; :func:`static_rounds`); then any
-    tuning override (``tuning.override("hopper", stages=4, wide=1, ...)``; a ``consumers`` knob
-    alone takes ``CONSUMER_REGS`` registers); last, chunks of ``DYNAMIC_CHUNK`` pairs off the work
-    counter unless a ``chunk`` knob is set."""
+    :func:`prefers_narrow` or :func:`few_tiles` does, unless a ``wide`` knob is set), ``F8_STAGES``
+    ring stages with 8-bit q (``D96_STAGES`` at D 96), and static rounds (``dynamic=0``) for short
+    prompts (``max_q <= 1024``) of even lengths and chunked prefill (``max_kv >= 4 max_q``;
+    :func:`static_rounds`); then any tuning override (``tuning.override("hopper", stages=4, wide=1,
+    ...)``; a ``consumers`` knob alone takes ``CONSUMER_REGS`` registers); last, chunks of
+    ``DYNAMIC_CHUNK`` pairs off the work counter unless a ``chunk`` knob is set."""
     over = dict(tuning.knobs("hopper"))
     bad = [k for k in over if k not in KNOBS]
     if bad:
@@ -279,7 +279,7 @@ def config(batch: PrefillBatch) -> Config:
             base = replace(base, **D256_SPLIT)
     else:
         base = replace(DEFAULT, **WIDE) if (prefers_wide(batch) if wide is None else wide) else DEFAULT
-        if base == DEFAULT and wide is None and prefers_narrow(batch):
+        if base == DEFAULT and wide is None and (prefers_narrow(batch) or few_tiles(batch)):
             base = replace(DEFAULT, **NARROW)
     if batch.fp8_q:
         base = replace(base, stages=F8_STAGES)
@@ -324,6 +324,20 @@ def config(batch: PrefillBatch) -> Config:
     if why:
         raise ValueError(f"Hopper knob: {why}")
     return cfg
+
+
+def sibling(batch: PrefillBatch, cfg: Config) -> Config | None:
+    """The other of ``DEFAULT`` and ``NARROW`` (the consumer count is a compile-time constant) where
+    :func:`config` may pick either for this layout as only lengths and batch size change: D 128 with
+    16-bit K/V, ragged or in pages of 16-63 tokens, no tuning knobs. :class:`HopperPlan` compiles it
+    beside its own at the first launch, so that a later call of the other kind compiles nothing."""
+    if tuning.knobs("hopper") or (batch.head_dim_qk, batch.head_dim_vo) != (128, 128) or batch.fp8_kv:
+        return None
+    if (batch.paged and batch.page_size < 16) or prefers_wide(batch):
+        return None
+    if cfg.consumers == DEFAULT.consumers:
+        return replace(cfg, **NARROW)
+    return replace(cfg, consumers=DEFAULT.consumers, consumer_regs=DEFAULT.consumer_regs)
 
 
 def _tma_view(t: torch.Tensor, batch: PrefillBatch, box_rows: int, d: int):
@@ -452,6 +466,19 @@ def num_m_blocks(batch: PrefillBatch, cfg: Config) -> int:
 
 MERGE_ROWS = 32  # rows of a split item per program of the shares' merge
 _WARM_MERGES: set = set()  # the merge's compiled constants (see HopperPlan._warm_merge)
+_WARM_SIBLINGS: set = set()  # the sibling variants compiled (see HopperPlan._warm_sibling)
+
+
+def _spec_key(a: object) -> object:
+    """What of a launch argument Triton's specialisation may read: a tensor's dtype and 16-byte
+    alignment, a descriptor's box and dtype, else the type (the kernel specialises no integer)."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    if isinstance(a, TensorDescriptor):
+        return (a.base.dtype, tuple(a.block_shape))
+    return type(a)
+
+
 DESC_ARGS = slice(27, 32)  # k_desc, k1_desc, v_desc, v1_desc, q_desc in the kernel's arguments
 
 
@@ -504,11 +531,11 @@ class HopperPlan:
         if not cfg.dynamic and not batch.has_sinks and batch.device.type == "cuda" and workspace_bytes != 0:
             self._warm_merge()  # (a later call of this shape with other lengths may split)
 
-    def _merge_kwargs(self) -> dict:
+    def _merge_kwargs(self, cfg: Config | None = None) -> dict:
         batch, dvo = self.batch, self.batch.head_dim_vo
         return dict(
             GROUP=batch.group_size,
-            BLOCK_M=self.cfg.BLOCK_M,
+            BLOCK_M=(cfg or self.cfg).BLOCK_M,
             DVO=dvo,
             DV_P2=1 << (dvo - 1).bit_length(),
             ROWS=MERGE_ROWS,
@@ -516,10 +543,10 @@ class HopperPlan:
             num_warps=4,
         )
 
-    def _warm_merge(self) -> None:
-        """Compile the merge for this plan's constants now (once per process), so that a later call
-        whose lengths make a split (static rounds) compiles nothing."""
-        kwargs = self._merge_kwargs()
+    def _warm_merge(self, cfg: Config | None = None) -> None:
+        """Compile the merge for this plan's constants (or ``cfg``'s row blocks) now, once per process,
+        so that a later call whose lengths make a split (static rounds) compiles nothing."""
+        kwargs = self._merge_kwargs(cfg)
         key = (self.batch.device, self.batch.out_dtype, tuple(kwargs.items()))
         if key in _WARM_MERGES:
             return
@@ -535,41 +562,46 @@ class HopperPlan:
         key = (tma is not None and tma[0][3], tma is not None and tma[1][3], tma is not None, q_tma)
         got = self._kwargs.get(key)
         if got is None:
-            batch, cfg = self.batch, self.cfg
-            if tma is None and cfg.split and batch.head_dim_vo > 128 and cfg.BLOCK_N == 64 and stages(batch, cfg) == 2:
-                # (strides the TMA cannot box: without the split two 64-key stages leave the loads exposed)
-                cfg = replace(cfg, BLOCK_N=D256["BLOCK_N"], stages=D256["stages"], split=0)
-            got = self._kwargs[key] = dict(
-                GROUP=batch.group_size,
-                PAGE_SIZE=batch.page_size,
-                DQK=batch.head_dim_qk,
-                DVO=batch.head_dim_vo,
-                NC=cfg.consumers,
-                BLOCK_N=cfg.BLOCK_N,
-                CAUSAL=batch.causal,
-                HAS_LSE=batch.has_lse,
-                STAGES=stages(batch, cfg),
-                LOAD_WARPS=cfg.load_warps,
-                CONS_REGS=cfg.consumer_regs,
-                LOAD_REGS=cfg.load_regs,
-                USE_TMA=tma is not None,
-                PAGE_BOX=self.box if tma is not None else 0,
-                K_HEAD_ROWS=bool(key[0]),
-                V_HEAD_ROWS=bool(key[1]),
-                Q_TMA=q_tma,
-                O_STAGE=o_stage_mode(batch, q_tma),
-                WINDOW=batch.window_left >= 0,
-                SOFTCAP=batch.logits_soft_cap > 0,
-                HAS_SINKS=batch.has_sinks,
-                STAGING=staging_slots(batch, cfg),
-                F8=batch.fp8_q,
-                Q_SCALED=batch.q_scaled,
-                K_SCALED=batch.k_scaled,
-                V_SCALED=batch.v_scaled,
-                SPLIT=bool(cfg.split) and tma is not None and not (batch.fp8_kv or batch.fp8_q),
-                num_warps=4,
-            )
+            got = self._kwargs[key] = self._kernel_constexprs(self.cfg, *key)
         return got
+
+    def _kernel_constexprs(self, cfg: Config, k_head_rows: bool, v_head_rows: bool, use_tma: bool, q_tma: bool) -> dict:
+        """The kernel's constexprs and launch options under ``cfg`` for a layout: K and V boxed by
+        head rows (see :func:`_tma_plan`), K/V by TMA (else cp.async), Q by TMA."""
+        batch = self.batch
+        if not use_tma and cfg.split and batch.head_dim_vo > 128 and cfg.BLOCK_N == 64 and stages(batch, cfg) == 2:
+            # (strides the TMA cannot box: without the split two 64-key stages leave the loads exposed)
+            cfg = replace(cfg, BLOCK_N=D256["BLOCK_N"], stages=D256["stages"], split=0)
+        return dict(
+            GROUP=batch.group_size,
+            PAGE_SIZE=batch.page_size,
+            DQK=batch.head_dim_qk,
+            DVO=batch.head_dim_vo,
+            NC=cfg.consumers,
+            BLOCK_N=cfg.BLOCK_N,
+            CAUSAL=batch.causal,
+            HAS_LSE=batch.has_lse,
+            STAGES=stages(batch, cfg),
+            LOAD_WARPS=cfg.load_warps,
+            CONS_REGS=cfg.consumer_regs,
+            LOAD_REGS=cfg.load_regs,
+            USE_TMA=use_tma,
+            PAGE_BOX=self.box if use_tma else 0,
+            K_HEAD_ROWS=bool(k_head_rows),
+            V_HEAD_ROWS=bool(v_head_rows),
+            Q_TMA=q_tma,
+            O_STAGE=o_stage_mode(batch, q_tma),
+            WINDOW=batch.window_left >= 0,
+            SOFTCAP=batch.logits_soft_cap > 0,
+            HAS_SINKS=batch.has_sinks,
+            STAGING=staging_slots(batch, cfg),
+            F8=batch.fp8_q,
+            Q_SCALED=batch.q_scaled,
+            K_SCALED=batch.k_scaled,
+            V_SCALED=batch.v_scaled,
+            SPLIT=bool(cfg.split) and use_tma and not (batch.fp8_kv or batch.fp8_q),
+            num_warps=4,
+        )
 
     def launches(self, t: CallTensors) -> list:
         batch = self.batch
@@ -632,6 +664,22 @@ class HopperPlan:
         )
         return [(hk.attention_kernel, self.grid, args, self._constexprs(tma, q_tma))]
 
+    def _warm_sibling(self, args: tuple, kwargs: dict) -> None:
+        """Compile :func:`sibling`'s variant of this launch (the same arguments, so the same
+        specialisation; its own constexprs) and its merge, once per process, so that a later call
+        whose lengths pick the other consumer count compiles nothing."""
+        sib = sibling(self.batch, self.cfg)
+        if sib is None or INTERPRETED:
+            return
+        layout = (kwargs["K_HEAD_ROWS"], kwargs["V_HEAD_ROWS"], kwargs["USE_TMA"], kwargs["Q_TMA"])
+        sib_kwargs = self._kernel_constexprs(sib, *layout)
+        key = (self.batch.device, tuple(sib_kwargs.items()), tuple(_spec_key(a) for a in args))
+        if key not in _WARM_SIBLINGS:
+            hk.attention_kernel.warmup(*args, grid=self.grid, **sib_kwargs)
+            _WARM_SIBLINGS.add(key)
+        if not self.batch.has_sinks:
+            self._warm_merge(sib)
+
     def _merge_shares(self, t: CallTensors) -> None:
         """The launch that combines the split items' shares into out and the LSE (after the kernel)."""
         lse = t.lse if t.lse is not None else t.out  # (not read without an LSE)
@@ -682,6 +730,7 @@ class HopperPlan:
             self._bind_tried = True
             self._descs_present = tuple(d is not None for d in descs)
             bound = self._bound = bind(kernel, grid, args, kwargs, self._desc_bases())
+            self._warm_sibling(args, kwargs)
         else:
             fast_launch(kernel, grid, args, kwargs)
         if bound is not None and tuple(d is not None for d in descs) == self._descs_present:
