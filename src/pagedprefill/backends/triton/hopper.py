@@ -180,9 +180,10 @@ def static_rounds(batch: PrefillBatch, block_m: int) -> bool:
 
 
 # host lengths that give each program fewer key tiles of 192-row items than this (D 128, 16-bit K/V)
-# ran faster on cuDNN (`tune_hopper.py`, two rounds each, 4-32 prompts of <= 1024 tokens without
-# prefix: cuDNN 1.05x Triton at 83 tiles a program, 1.08x at 38, 1.16x at 46, 1.24x at 15; Triton 1.10x
-# at 128 tiles, 1.18x at 157 and 1.16x at 191): `dispatch.auto_order` sends them to cuDNN
+# run on two consumers (+4..+24% over three) and, at >= 20 GFLOP, on cuDNN (`tune_hopper.py`, two
+# rounds each, 4-32 prompts of <= 1024 tokens without prefix: cuDNN 1.05x three consumers at 83 tiles a
+# program, 1.08x at 38, 1.16x at 46, 1.24x at 15; Triton 1.10x at 128 tiles, 1.18x at 157 and 1.16x at
+# 191; on two consumers cuDNN 1.00-1.06x): `dispatch.auto_order` sends them to cuDNN
 FEW_TILES = 100
 
 
