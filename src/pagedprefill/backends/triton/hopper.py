@@ -140,14 +140,20 @@ def prefers_wide(batch: PrefillBatch) -> bool:
     return batch.paged and batch.page_size >= 64
 
 
+def _narrow_layout(batch: PrefillBatch) -> bool:
+    """Where ``NARROW`` was measured and may be picked: D = 128 with 16-bit K/V, ragged or in pages of
+    >= 16 tokens (the cp.async gather of smaller pages: not measured)."""
+    if (batch.head_dim_qk, batch.head_dim_vo) != (128, 128) or batch.fp8_kv:
+        return False
+    return not (batch.paged and batch.page_size < 16)
+
+
 def prefers_narrow(batch: PrefillBatch) -> bool:
     """Whether ``NARROW`` beat ``DEFAULT`` on the H200 for calls like this one: D = 128, 16-bit K/V
     (ragged or in pages of >= 16 tokens), and a sequence's ``max_q * group`` rows padded to 192-row
     blocks take >= 1.2x the rows they take in 128-row blocks (64-token queries at GQA 4: 384 against
     256 rows, +7%). Where padding is even, two consumers lose 6% (fewer rows share each K/V tile)."""
-    if (batch.head_dim_qk, batch.head_dim_vo) != (128, 128) or batch.fp8_kv:
-        return False
-    if batch.paged and batch.page_size < 16:  # (the cp.async gather: not measured there)
+    if not _narrow_layout(batch):
         return False
     rows = batch.work_q * batch.group_size
     return 5 * (-(-rows // 192) * 192) >= 6 * (-(-rows // 128) * 128)
@@ -332,9 +338,7 @@ def sibling(batch: PrefillBatch, cfg: Config) -> Config | None:
     :func:`config` may pick either for this layout as only lengths and batch size change: D 128 with
     16-bit K/V, ragged or in pages of 16-63 tokens, no tuning knobs. :class:`HopperPlan` compiles it
     beside its own at the first launch, so that a later call of the other kind compiles nothing."""
-    if tuning.knobs("hopper") or (batch.head_dim_qk, batch.head_dim_vo) != (128, 128) or batch.fp8_kv:
-        return None
-    if (batch.paged and batch.page_size < 16) or prefers_wide(batch):
+    if tuning.knobs("hopper") or not _narrow_layout(batch) or prefers_wide(batch):
         return None
     if cfg.consumers == DEFAULT.consumers:
         return replace(cfg, **NARROW)
