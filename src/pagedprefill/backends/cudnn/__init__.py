@@ -114,7 +114,6 @@ class CudnnPlan:
         self.skip_graph = h is not None and spec is not None and not prepare.handed_rows(spec, h.lens_q, h.lens_kv)
         self.fix = h is None or (spec is not None and prepare.skipped_rows(spec, h.lens_q, h.lens_kv))
         self._views: tuple | None = None
-        self._static: tuple | None = None
         self._prepare_launch = launch.LaunchSlot()  # the preparation's launch, bound to this graph
         self.triton = (
             batch.device.type == "cuda"
@@ -139,7 +138,6 @@ class CudnnPlan:
         ws = scratch[base + lay.workspace : base + lay.workspace + lay.workspace_size]
         views = _Views(ints, table, floats, ws)
         self._views = (ptr, views)
-        self._static = None
         return views
 
     def _call_operands(self, t: CallTensors) -> dict[str, Tensor]:
@@ -243,7 +241,7 @@ class CudnnPlan:
                 got = _built(self.batch)
                 if isinstance(got, str):
                     raise RuntimeError(f"backend='cudnn' cannot serve this call: {got}")
-                self.graph, self._views, self._static = got, None, None
+                self.graph, self._views = got, None
                 self._prepare_launch = launch.LaunchSlot()
                 self.workspace_bytes = got.layout.total
                 plan = got
