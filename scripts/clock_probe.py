@@ -76,7 +76,7 @@ def main() -> int:
     try:
         time.sleep(0.5)
         for name in args.workloads:
-            tf = wl.flops(wl.get_workload(name.partition(":")[0])) / 1e9
+            tf = wl.flops(wl.get_workload(name.split(":")[0])) / 1e9
             calls = _calls(name, dev)
             for _ in range(args.rounds):
                 for who, fn in calls:

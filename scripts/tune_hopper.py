@@ -40,7 +40,7 @@ def main() -> int:
     dev = torch.device("cuda")
     for name in names:
         kw = wl.named_case(name, dev)
-        tf = wl.flops(wl.get_workload(name.partition(":")[0])) / 1e9
+        tf = wl.flops(wl.get_workload(name.split(":")[0])) / 1e9
         ref = None
         for backend, knobs in [("cudnn", {})] + [("triton", s) for _ in range(rounds) for s in sets]:
             with tuning.override("hopper", **knobs):

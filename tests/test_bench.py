@@ -167,6 +167,17 @@ def test_named_case_suffixes():
     assert wide["q"].dtype == wide["k_cache"].dtype == torch.bfloat16 and "q_scale" not in wide
     with pytest.raises(ValueError, match="suffix 'fp4'"):
         wl.named_case("cpu_b2_q64_p64:fp4", "cpu")
+    with pytest.raises(ValueError, match="one of fp8kv"):
+        wl.named_case("cpu_fp8_b2_q64:fp8:bf16", "cpu")
+    # longest: the same (q, kv) pairs, most visible query-key pairs first; devlens: on q's device
+    w = wl.get_workload("cpu_varlen_b4_noncausal")
+    q_lens, kv_lens = wl.lengths(w)
+    got = wl.named_case("cpu_varlen_b4_noncausal:longest:devlens", "cpu")
+    pairs = list(zip(got["actual_seq_lens_q"].tolist(), got["actual_seq_lens_kv"].tolist()))
+    assert sorted(pairs) == sorted(zip(q_lens, kv_lens)) and got["actual_seq_lens_q"].device == got["q"].device
+    work = [wl.visible_pairs(q, k, bool(w["causal"])) for q, k in pairs]
+    drawn = [wl.visible_pairs(q, k, bool(w["causal"])) for q, k in zip(q_lens, kv_lens)]
+    assert work == sorted(work, reverse=True) and drawn != work  # (the drawn order was another)
 
 
 def test_build_case_layout_and_dense_inputs():

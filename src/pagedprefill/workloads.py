@@ -291,20 +291,32 @@ def quantize_case(case: dict, kind: str, scale: float = FP8_SCALE) -> dict:
 
 
 def named_case(name: str, device: str | torch.device, seed: int = 0) -> dict:
-    """:func:`build_case` of a workload named ``name``, bf16, without LSE; the suffix ``:fp8kv`` runs
-    its 16-bit data with K/V quantized to e4m3 (q unchanged), ``:fp8`` with q, K and V quantized,
-    ``:bf16`` an fp8 workload's 16-bit data (the scripts that time or profile one kernel take such
-    names)."""
-    base, _, kind = name.partition(":")
+    """:func:`build_case` of a workload named ``name``, bf16, without LSE (the scripts that time or
+    profile one kernel take such names). Suffixes, each after a colon: ``fp8kv`` runs its 16-bit data
+    with K/V quantized to e4m3 (q unchanged), ``fp8`` with q, K and V quantized, ``bf16`` an fp8
+    workload's 16-bit data; ``longest`` puts its sequences in order of visible query-key pairs,
+    most first (the same lengths); ``devlens`` puts lengths and offsets on the device."""
+    base, *kinds = name.split(":")
     w = get_workload(base)
-    if kind in ("fp8kv", "fp8", "bf16"):
-        kw = build_case(w, device, dtype=torch.bfloat16, seed=seed, fp8=False)
+    dtypes = [k for k in kinds if k in ("fp8kv", "fp8", "bf16")]
+    for k in kinds:
+        if k not in ("fp8kv", "fp8", "bf16", "longest", "devlens") or kinds.count(k) > 1:
+            raise ValueError(f"workload suffix {k!r} of {name!r}: expected fp8kv, fp8 or bf16, longest, devlens")
+    if len(dtypes) > 1:
+        raise ValueError(f"workload suffixes {dtypes} of {name!r}: expected one of fp8kv, fp8 or bf16")
+    lens = None
+    if "longest" in kinds:
+        causal = bool(w["causal"])
+        pairs = sorted(zip(*lengths(w)), key=lambda qk: -visible_pairs(qk[0], qk[1], causal))
+        lens = ([q for q, _ in pairs], [k for _, k in pairs])
+    kind = dtypes[0] if dtypes else ""
+    opts = dict(seed=seed, lens_on_device="devlens" in kinds, lens=lens)
+    if kind:
+        kw = build_case(w, device, dtype=torch.bfloat16, fp8=False, **opts)
         if kind != "bf16":
             kw = quantize_case(kw, "fp8_kv" if kind == "fp8kv" else "fp8")
-    elif kind:
-        raise ValueError(f"workload suffix {kind!r} of {name!r}: expected fp8kv, fp8 or bf16")
     else:
-        kw = build_case(w, device, dtype=torch.bfloat16, seed=seed)
+        kw = build_case(w, device, dtype=torch.bfloat16, **opts)
     kw.pop("lse", None)
     kw["return_lse"] = False
     return kw
