@@ -2,11 +2,13 @@
 
     ncu --profile-from-start off ... python scripts/ncu_case.py fp8kv_b8_q2k:fp8kv fp8kv_b8_q2k:bf16
     ncu --profile-from-start off ... python scripts/ncu_case.py llama8b_b4_q4k llama8b_b4_q4k@wide=1 fa3/llama8b_b4_q4k
+    ncu --profile-from-start off ... python scripts/ncu_case.py --extra=scripts/varlen_shapes.json x_ragged_b32_q512
 
 Each name (suffixes as in ``tune_hopper.py``: ``:fp8kv`` K/V quantized to e4m3, ``:fp8`` q, K and V, ``:bf16`` the
 16-bit data of an fp8 workload) runs the Triton backend; ``@knob=v,knob=v`` runs it under those Hopper knobs
 (``tuning.override``); the prefix ``fa3/`` runs FlashAttention-3's varlen forward on the same data stored
-contiguously instead. Each is called three times outside the profiled range (compilation, metadata, descriptor
+contiguously instead. ``--extra=FILE`` (first) adds the workloads of a JSON list to the names known (as in
+``tune_hopper.py``). Each is called three times outside the profiled range (compilation, metadata, descriptor
 caches), then once inside it, in the order given.
 """
 
@@ -39,8 +41,11 @@ def _call(spec: str, dev: torch.device):
 
 def main() -> int:
     dev = torch.device("cuda")
+    argv = sys.argv[1:]
+    if argv and argv[0].startswith("--extra="):
+        wl.add_workloads(wl.read_workloads(argv.pop(0).split("=", 1)[1]))
     calls = []
-    for spec in sys.argv[1:]:
+    for spec in argv:
         call = _call(spec, dev)
         for _ in range(3):
             call()
