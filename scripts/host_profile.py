@@ -182,6 +182,7 @@ def main() -> None:
     ap.add_argument("--backends", default="triton,cudnn")
     ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args()
+    print(f"== host probe: {timing.host_probe_us():.3f} µs an iteration (pagedprefill.bench.timing.host_probe_us)")
     print("== primitives (µs per call, back to back, no sync)")
     primitives()
     known = layers.known_cases()

@@ -669,9 +669,10 @@ def test_layers_mode_cpu(tmp_path, capsys):
     for r in rows:
         assert r["backend"] == "torch" and r["layers"] == 2 and r["ok"] is True and r["served_by"] == "torch"
         assert r["host_us"] > 0 and r["wall_us"] > 0 and r["device_us"] is None  # no device time on the CPU
+        assert 0 < r["host_probe_us"] < r["host_us"]
     lines = _table_lines(cap.out)
     header = next(line for line in lines if line.startswith("case"))
-    for col in ("host µs/call", "wall µs/layer", "device µs/layer", "wall/device", "TF/s", "check"):
+    for col in ("host µs/call", "host probe µs", "wall µs/layer", "device µs/layer", "wall/device", "TF/s", "check"):
         assert col in header
     assert lines[-1].startswith("cpu_ragged_b3_devoffsets") and lines[-1].endswith("ok")
     assert "[4/4] cpu_ragged_b3_devoffsets torch one-shot ..." in cap.err

@@ -8,7 +8,8 @@ sees the previous layer's buffers). Per backend the step runs
 * the outside references (FA3 / FA2 varlen) per layer, on the same K/V stored contiguously.
 
 Reported per call / layer: the host's time to queue a call while the GPU is busy (all N calls queued
-behind a sleep kernel long enough that the host finishes first), the wall time of the whole step
+behind a sleep kernel long enough that the host finishes first) beside a probe of the host's speed
+taken just before (:func:`.timing.host_probe_us`: hosts of device calls differ), the wall time of the whole step
 from an idle GPU with a sync at its end, the device time (events around the N calls), and
 wall / device: how far the step is from running at the kernels' speed (1.0: the host never makes
 the GPU wait).
@@ -224,6 +225,7 @@ def run_one(lb: LayerBatch, backend: str, api: str, args: argparse.Namespace) ->
         sync(lb.device)
         res.update(_check(lb, outs, api, backend))
         del outs
+    res["host_probe_us"] = timing.host_probe_us()
     burst = timing.time_burst(step, lb.n, lb.device, reps=args.reps or 5)
     res.update(host_us=burst.host_us, wall_us=burst.wall_us, device_us=burst.device_us, preload_ok=burst.preload_ok)
     if burst.device_us:
@@ -250,6 +252,7 @@ BASE_HEADERS = [
     "backend",
     "api",
     "host µs/call",
+    "host probe µs",
     "wall µs/layer",
     "device µs/layer",
     "wall/device",
@@ -289,6 +292,7 @@ def table(results: list[dict]) -> tuple[list[str], list[list[str]]]:
             r["backend"],
             r["api"],
             fmt(r["host_us"], 1),
+            fmt(r.get("host_probe_us"), 3),
             fmt(r["wall_us"], 1),
             dev,
             f"{ratio:.2f}" if ratio else "–",
@@ -384,7 +388,9 @@ def run_layers(args: argparse.Namespace, device: torch.device, env: dict, rows_o
     notes = [f"skipped: {r['case']} / {r['backend']} {r['api']}: {r['skipped']}" for r in results if r.get("skipped")]
     notes += [f"error: {r['case']} / {r['backend']} {r['api']}: {r['error']}" for r in results if r.get("error")]
     legend = (
-        "host: µs to queue one call while the GPU is busy; wall: µs per layer of the whole step from an idle "
+        "host: µs to queue one call while the GPU is busy; host probe: µs per iteration of a fixed host-only "
+        "loop timed just before the row (the host's speed then: compare host times of two runs by it); "
+        "wall: µs per layer of the whole step from an idle "
         "GPU, synchronised; device: µs per layer between events around all N calls (all queued first); "
         "wall/device 1.00 = the host never made the GPU wait; TF/s from the device time; ×cuDNN / ×FA3: "
         "cuDNN's (plan.run) / FA3's wall time per layer over this one's (> 1: faster)"

@@ -165,6 +165,24 @@ def capture_cuda_graph(fn: Callable[[], tuple]) -> Callable[[], tuple]:
     return replay
 
 
+_PROBE = torch.empty((64, 8, 128))  # (a CPU tensor: the probe reads only its metadata)
+
+
+def host_probe_us(n: int = 2000, reps: int = 5) -> float:
+    """The host's speed now: µs per iteration of a fixed host-only loop (a tensor's shape, strides,
+    dtype and address read into a tuple, looked up in a dict), the minimum over ``reps`` runs of
+    ``n``. Host times measured on different machines, or while a host slows down, compare by it."""
+    t, seen = _PROBE, {}
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            key = (t.shape, t.stride(), t.dtype, t.data_ptr() & 15)
+            seen.get(key)
+        best = min(best, time.perf_counter() - t0)
+    return best / n * 1e6
+
+
 @dataclass
 class Burst:
     """One timed step of ``n`` calls queued back to back (:func:`time_burst`), per call / layer, in µs:
