@@ -43,7 +43,8 @@ def _vector(t: object) -> tuple | None:
     if t.dim() not in (1, 4) or t.dtype not in (torch.int32, torch.int64):
         return None
     try:
-        return (t.dtype, t.shape, t.detach().numpy().tobytes())  # (the contents, as bytes: cheap to hash)
+        # (the contents, as bytes: cheap to hash; an integer tensor never requires grad, so no detach)
+        return (t.dtype, t.shape, t.numpy().tobytes())
     except RuntimeError:  # (no numpy)
         return (t.dtype, t.shape, tuple(t.reshape(-1).tolist()))
 
