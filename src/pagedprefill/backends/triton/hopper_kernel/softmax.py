@@ -61,29 +61,44 @@ def _tanh(x):
 
 
 @gluon.jit
+def _masked(s, start_n, diag, kv_len, window, geo: Geometry):
+    """S with the keys a row may not see set to -inf (causal: past its diagonal; else past kv_len;
+    WINDOW: more than ``window`` before its diagonal)."""
+    cols = start_n + gl.arange(0, s.shape[1], gl.SliceLayout(0, s.type.layout))
+    if geo.CAUSAL:
+        visible = cols[None, :] <= diag[:, None]
+    else:
+        visible = (cols < kv_len)[None, :]
+    if geo.WINDOW:
+        visible = visible & (cols[None, :] >= (diag - window)[:, None])
+    return gl.where(visible, s, float("-inf"))
+
+
+@gluon.jit
 def _softmax(s, m_i, l_i, qk_e, qk_r, start_n, diag, kv_len, window, cap_out, MASKED: gl.constexpr, geo: Geometry):
     """Online-softmax step on one S tile: returns (p, m, l, alpha), p unnormalised (fp32), m the row max
     in use (lazy: see LAZY_BOUND), l each thread's partial row sums (see _quad_sums). The scale is
     ``qk_e`` to multiply S elementwise and ``qk_r`` per row (KV8: [SUB_M, 1] and [SUB_M] tensors, each
     row's own; else one scalar twice). SOFTCAP: the logit is cap_out * tanh(s * qk) (qk then folds
     1 / cap in)."""
-    if geo.SOFTCAP or MASKED or (geo.K_SCALED and not (geo.KV8 or geo.F8)):
-        # scale first, then mask: a masked -inf must never meet a zero scale (K_SCALED: the scale's
-        # sign is known only on the device, so max(s) * scale may not be max(s * scale); KV8 moves
-        # the sign into Q, F8 takes this path for every tile when the scale is not > 0)
+    if MASKED and not (geo.SOFTCAP or geo.K_SCALED or geo.Q_SCALED):
+        # the scale is a host float > 0 (the Hopper plan refuses others): a masked -inf stays -inf
+        # under it, so mask the raw logits and keep the unmasked path's one FFMA per element
+        s = _masked(s, start_n, diag, kv_len, window, geo)
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_r)
+        m_new = gl.where(m_new > m_i + LAZY_BOUND, m_new, m_i)  # (lazy: see _rescale)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet
+        p = gl.exp2(s * qk_e - m_use[:, None])
+    elif geo.SOFTCAP or MASKED or (geo.K_SCALED and not (geo.KV8 or geo.F8)):
+        # scale first, then mask: a masked -inf must never meet a zero scale (a device scale may be
+        # 0; K_SCALED: its sign is known only on the device, so max(s) * scale may not be max(s *
+        # scale); KV8 moves the sign into Q, F8 takes this path for every tile when the scale is not > 0)
         if geo.SOFTCAP:
             s = _tanh(s * qk_e) * cap_out  # (log2 units, scaled and capped)
         else:
             s = s * qk_e
         if MASKED:
-            cols = start_n + gl.arange(0, s.shape[1], gl.SliceLayout(0, s.type.layout))
-            if geo.CAUSAL:
-                visible = cols[None, :] <= diag[:, None]
-            else:
-                visible = (cols < kv_len)[None, :]
-            if geo.WINDOW:
-                visible = visible & (cols[None, :] >= (diag - window)[:, None])
-            s = gl.where(visible, s, float("-inf"))
+            s = _masked(s, start_n, diag, kv_len, window, geo)
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_new = gl.where(m_new > m_i + LAZY_BOUND, m_new, m_i)  # (lazy: see _rescale)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet
