@@ -107,18 +107,3 @@ def test_launch_slot_binds_once_and_keys_what_else_the_binding_depends_on(monkey
     monkeypatch.setattr(launch, "bind", lambda kernel, grid, args, kwargs: None)
     unbindable.run("kernel", (1,), ("c",), {})
     assert unbindable.bound is False and not unbindable.launch(("t",))
-
-
-def test_specialisation_key_tells_apart_what_triton_specialises():
-    """Strides of 16 / 8 / 1, misaligned tensors, dtypes and integer widths key apart (the Hopper
-    plan's sibling warm-up keys its compiled variants by this); unkeyable arguments give None."""
-    base = torch.randn(64, dtype=torch.float16)
-    key = launch.specialisation_key
-    assert key((base, 128)) == key((base.clone(), 256))  # both multiples of 16
-    assert len({key((base, s)) for s in (128, 8, 1)}) == 3
-    assert key((base,)) != key((base[1:],))  # 2-byte offset: not 16-byte aligned
-    assert key((base,)) != key((base.float(),))
-    assert key((2**40,)) != key((16,))
-    assert key((None, True, 1.5)) == key((None, True, 2.5))  # floats are not specialised
-    assert key(((1, 2),)) is None
-    assert key((2**70,)) is None

@@ -108,15 +108,6 @@ def _spec_of(a: object) -> object:
     raise _Uncacheable  # tuples, constexprs, other descriptors, tensor-likes, ...
 
 
-def specialisation_key(args: tuple) -> tuple | None:
-    """What Triton's specialisation may read of a launch's runtime arguments (:func:`_spec_of` each),
-    or None where one of them cannot be keyed exactly (then treat every launch as new)."""
-    try:
-        return tuple(_spec_of(a) for a in args)
-    except _Uncacheable:
-        return None
-
-
 def _kwargs_key(kwargs: dict) -> tuple:
     """Constexprs and options by type and value (True, 1 and 1.0 compile apart); floats are not
     keyed (0.0 == -0.0, NaN != NaN)."""

@@ -10,7 +10,7 @@ import torch
 
 from pagedprefill import tuning
 from pagedprefill.batch import CallTensors, PrefillBatch
-from pagedprefill.kernels.launch import INTERPRETED, LaunchSlot, bind, fast_launch, specialisation_key
+from pagedprefill.kernels.launch import INTERPRETED, LaunchSlot, bind, fast_launch
 from pagedprefill.kernels.metadata import ZERO_BYTES
 
 try:
@@ -474,6 +474,16 @@ _WARM_MERGES: set = set()  # the merge's compiled constants (see HopperPlan._war
 _WARM_SIBLINGS: set = set()  # the sibling variants compiled (see HopperPlan._warm_sibling)
 
 
+def _spec_key(a: object) -> object:
+    """What of a launch argument Triton's specialisation may read: a tensor's dtype and 16-byte
+    alignment, a descriptor's box and dtype, else the type (the kernel specialises no integer)."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    if isinstance(a, TensorDescriptor):
+        return (a.base.dtype, tuple(a.block_shape))
+    return type(a)
+
+
 DESC_ARGS = slice(27, 32)  # k_desc, k1_desc, v_desc, v1_desc, q_desc in the kernel's arguments
 
 
@@ -668,12 +678,10 @@ class HopperPlan:
             return
         layout = (kwargs["K_HEAD_ROWS"], kwargs["V_HEAD_ROWS"], kwargs["USE_TMA"], kwargs["Q_TMA"])
         sib_kwargs = self._kernel_constexprs(sib, *layout)
-        spec = specialisation_key(args)
-        key = (self.batch.device, tuple(sib_kwargs.items()), spec)
-        if spec is None or key not in _WARM_SIBLINGS:
+        key = (self.batch.device, tuple(sib_kwargs.items()), tuple(_spec_key(a) for a in args))
+        if key not in _WARM_SIBLINGS:
             hk.attention_kernel.warmup(*args, grid=self.grid, **sib_kwargs)
-            if spec is not None:
-                _WARM_SIBLINGS.add(key)
+            _WARM_SIBLINGS.add(key)
         if not self.batch.has_sinks:
             self._warm_merge(sib)
 
