@@ -77,11 +77,17 @@ def plan(batch: PrefillBatch, workspace_bytes: int | None):
     return fa2.Fa2Plan(batch, workspace_bytes)
 
 
-def compiled_variants() -> int:
-    """Kernel variants compiled so far in this process (all devices); 0 under the interpreter."""
+def compiled_kernels() -> list:
+    """This backend's Triton/Gluon kernels (the portable ones, the device table's, and on a Triton with
+    Gluon the Hopper kernel and its merge)."""
     from pagedprefill.kernels import metadata
 
     kernels = [fa2.fk.prefill_kernel, fa2.fk.merge_kernel, metadata._metadata_kernel]
     if hopper.hk is not None:
         kernels += [hopper.hk.attention_kernel, hopper.hk.share_merge_kernel]
-    return launch.compiled_variants(*kernels)
+    return [k for k in kernels if k is not None]
+
+
+def compiled_variants() -> int:
+    """Kernel variants compiled so far in this process (all devices); 0 under the interpreter."""
+    return launch.compiled_variants(*compiled_kernels())
