@@ -56,10 +56,11 @@ for s in $steps; do
     tests)
       par=""
       python3 -c "import xdist" 2>/dev/null && par="-n ${WORKERS:-8}"
-      timeout "${TEST_S:-420}" python3 -m pytest -q -m gpu $par -p no:cacheprovider ${PYTEST_ARGS:-} ${TESTS:-tests} \
+      # (-v: each result is logged as it lands, so a run stopped by its time limit still names its failures)
+      timeout "${TEST_S:-420}" python3 -m pytest -v -rfE -m gpu $par -p no:cacheprovider ${PYTEST_ARGS:-} ${TESTS:-tests} \
         >"$OUT/$TAG-tests.log" 2>&1
       echo "rc $?"
-      grep -E "^(FAILED|ERROR)" "$OUT/$TAG-tests.log" | head -40
+      grep -E "FAILED|ERROR" "$OUT/$TAG-tests.log" | grep -v "^tests/" | head -40
       tail -3 "$OUT/$TAG-tests.log" ;;
     memcheck)
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${MEMCHECK_S:-300}" compute-sanitizer --tool memcheck \
@@ -137,7 +138,8 @@ done
 echo "=== done $(date -u +%T)"
 # the essentials last, where a truncated output keeps them
 echo "=== summary"
-[ -f "$OUT/$TAG-tests.log" ] && echo "tests: $(tail -1 "$OUT/$TAG-tests.log")"
+[ -f "$OUT/$TAG-tests.log" ] && echo "tests: $(grep -E "[0-9]+ (passed|failed)" "$OUT/$TAG-tests.log" | tail -1 || true)" \
+  "$(grep -q -E "[0-9]+ (passed|failed)" "$OUT/$TAG-tests.log" || echo "(no pytest summary: stopped by TEST_S?)")"
 [ -f "$OUT/$TAG-memcheck.log" ] && echo "memcheck: $(grep "ERROR SUMMARY" "$OUT/$TAG-memcheck.log" | tail -1)"
 for k in eager graph layers; do
   [ -f "$OUT/$TAG-$k.md" ] && grep "^| geomean" "$OUT/$TAG-$k.md" | sed "s/^/$k: /"
