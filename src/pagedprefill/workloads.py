@@ -290,6 +290,10 @@ def quantize_case(case: dict, kind: str, scale: float = FP8_SCALE) -> dict:
     return new
 
 
+DTYPE_SUFFIXES = ("fp8kv", "fp8", "bf16")  # (named_case: the data a name's kernel runs on)
+ORDER_SUFFIXES = ("longest", "devlens")
+
+
 def named_case(name: str, device: str | torch.device, seed: int = 0) -> dict:
     """:func:`build_case` of a workload named ``name``, bf16, without LSE (the scripts that time or
     profile one kernel take such names). Suffixes, each after a colon: ``fp8kv`` runs its 16-bit data
@@ -298,10 +302,11 @@ def named_case(name: str, device: str | torch.device, seed: int = 0) -> dict:
     most first (the same lengths); ``devlens`` puts lengths and offsets on the device."""
     base, *kinds = name.split(":")
     w = get_workload(base)
-    dtypes = [k for k in kinds if k in ("fp8kv", "fp8", "bf16")]
+    dtypes = [k for k in kinds if k in DTYPE_SUFFIXES]
     for k in kinds:
-        if k not in ("fp8kv", "fp8", "bf16", "longest", "devlens") or kinds.count(k) > 1:
-            raise ValueError(f"workload suffix {k!r} of {name!r}: expected fp8kv, fp8 or bf16, longest, devlens")
+        if k not in DTYPE_SUFFIXES + ORDER_SUFFIXES or kinds.count(k) > 1:
+            known = ", ".join(DTYPE_SUFFIXES + ORDER_SUFFIXES)
+            raise ValueError(f"workload suffix {k!r} of {name!r}: expected each of {known} at most once")
     if len(dtypes) > 1:
         raise ValueError(f"workload suffixes {dtypes} of {name!r}: expected one of fp8kv, fp8 or bf16")
     lens = None
