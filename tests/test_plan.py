@@ -250,45 +250,61 @@ def test_gpu_plan_run_every_backend(backend, device_lengths):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("device_lengths", [True, False])
 @pytest.mark.parametrize("page_size,offsets", [(16, "none"), (0, "elements")])
 @pytest.mark.parametrize(
     "lens_q,lens_kv",
     [([1500, 0, 1100, 33], [1600, 30, 1100, 600]), ([700, 0, 41, 500, 16, 3], [900, 30, 41, 800, 16, 1000])],
 )
-def test_gpu_device_table_zeroes_the_work_counter(page_size, offsets, lens_q, lens_kv, monkeypatch):
-    """Device lengths and a Hopper launch off its work counter (max_q > 1024, or uneven prompts of
-    <= 1024 tokens as q's rows tell): the device table's launch zeroes the counter, so no separate
-    zeroing runs. Each run starts from a workspace full of 0x7f bytes (a counter left there would
-    hand out no work item: out would keep its poison)."""
-    case = make_case(
-        12,
-        lens_q=lens_q,
-        lens_kv=lens_kv,
-        hq=12,
-        hkv=4,
-        dqk=128,
-        page_size=page_size,
-        offsets=offsets,
-        dtype=BF16,
-        device="cuda",
-        lens_on_device=True,
-    )
-    p = plan_of(case, "triton")
-    kw = case.kwargs
+def test_gpu_the_work_counter_is_left_at_zero(page_size, offsets, lens_q, lens_kv, device_lengths, monkeypatch):
+    """A Hopper launch off its work counter (max_q > 1024, or uneven prompts of <= 1024 tokens) leaves
+    the stream's counter at zero, with no zeroing launch before it: runs of two plans interleaved on
+    one stream, and one on a side stream (its own counter), each match the oracle, and every counter
+    reads zero after them. A counter left above zero would hand out no work item (out would keep
+    its poison). The workspace is filled with 0x7f bytes before each run: no counter lives there."""
+    cases = [
+        make_case(
+            12 + i,
+            lens_q=lq,
+            lens_kv=lk,
+            hq=12,
+            hkv=4 - 2 * i,
+            dqk=128,
+            page_size=page_size,
+            offsets=offsets,
+            dtype=BF16,
+            device="cuda",
+            lens_on_device=device_lengths,
+        )
+        for i, (lq, lk) in enumerate([(lens_q, lens_kv), (lens_q[::-1], lens_kv[::-1])])
+    ]
+    plans = [plan_of(c, "triton") for c in cases]
     zeroed = []
     real = torch.Tensor.zero_
     monkeypatch.setattr(torch.Tensor, "zero_", lambda self: zeroed.append(self.numel()) or real(self))
-    for _ in range(3):
+    side = torch.cuda.Stream()
+    for step in range(5):
+        i = step % 2
+        case, p, kw = cases[i], plans[i], cases[i].kwargs
         p.workspace.fill_(0x7F)
         poison(kw["out"])
         poison(kw["lse"])
-        out, lse = p.run(kw["q"], kw["k_cache"], kw["v_cache"], kw["out"], kw["lse"])
+        stream = side if step == 3 else torch.cuda.current_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            out, lse = p.run(kw["q"], kw["k_cache"], kw["v_cache"], kw["out"], kw["lse"])
+        torch.cuda.current_stream().wait_stream(stream)
         check(case, out, lse, atol=atol_for(BF16), lse_atol=2e-2)
-    (lp,) = p.layers.values()
-    if lp.name == "triton" and type(lp.backend).__name__ == "HopperPlan":
-        assert lp.backend.dynamic and lp.zero and not zeroed, (lp.backend.dynamic, zeroed)
-    else:
-        pytest.skip(f"not the Hopper kernel off its work counter here ({lp.name}, {type(lp.backend).__name__})")
+    for p in plans:
+        (lp,) = p.layers.values()
+        if lp.name != "triton" or type(lp.backend).__name__ != "HopperPlan" or not lp.backend.dynamic:
+            pytest.skip(f"not the Hopper kernel off its work counter here ({lp.name}, {type(lp.backend).__name__})")
+    torch.cuda.synchronize()
+    from pagedprefill.backends.triton import hopper
+
+    assert len(hopper._COUNTERS) >= 2 and not zeroed, (len(hopper._COUNTERS), zeroed)
+    for key, counter in hopper._COUNTERS.items():
+        assert not counter.any(), (key, counter[:4].tolist())
 
 
 @pytest.mark.gpu

@@ -67,30 +67,12 @@ def test_device_metadata_kernel_matches_its_torch_definition(seed):
     lens_q, lens_kv = _adversarial(rng, bsz, 6, dt), _adversarial(rng, bsz, 12, dt)
     indptr = _adversarial(rng, bsz + 1, 20, dt) if pages == 2 else None
     last = _adversarial(rng, bsz, 4, dt) if pages == 2 else None
-    # (sometimes a backend's scratch rides along: its first ZERO_BYTES bytes zeroed, the rest untouched)
-    scratch = torch.randint(1, 256, (metadata.ZERO_BYTES + 9,), dtype=torch.uint8) if seed % 2 else None
-    zeros = [None if scratch is None else scratch.clone() for _ in range(2)]
     want = torch.full((8, bsz), -5, dtype=torch.int32)
-    metadata.device_table_torch(bounds, lens_q, lens_kv, offsets, indptr, last, want, zeros[0])
+    metadata.device_table_torch(bounds, lens_q, lens_kv, offsets, indptr, last, want)
     got = torch.full((8, bsz), -5, dtype=torch.int32)
-    metadata.device_table_triton(bounds, lens_q, lens_kv, offsets, indptr, last, got, zeros[1])
+    metadata.device_table_triton(bounds, lens_q, lens_kv, offsets, indptr, last, got)
     assert torch.equal(got, want), (got, want)
     assert (want >= 0).all()
-    if scratch is not None:
-        n = metadata.ZERO_BYTES
-        for z in zeros:
-            assert (z[:n] == 0).all() and torch.equal(z[n:], scratch[n:])
-
-
-def test_device_table_refuses_a_short_zero_region():
-    bounds = metadata.Bounds(8, 8, 8, 8, 8, 8, 0, 0, 0, 0, 0, 0, 1, 1, dict(q=1, o=1, k=1, v=1, stats=1))
-    lens = torch.ones(2, dtype=torch.int32)
-    for table in (metadata.device_table_triton, metadata.device_table_torch):
-        meta = torch.zeros((8, 2), dtype=torch.int32)
-        with pytest.raises(ValueError, match="^zero: expected >= 16 uint8 bytes, got 8 of torch.uint8"):
-            table(bounds, lens, lens, {}, None, None, meta, torch.zeros(8, dtype=torch.uint8))
-        with pytest.raises(ValueError, match="^zero: expected >= 16 uint8 bytes, got 16 of torch.int32"):
-            table(bounds, lens, lens, {}, None, None, meta, torch.zeros(16, dtype=torch.int32))
 
 
 def test_meta_bytes_are_aligned():

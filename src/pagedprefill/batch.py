@@ -214,9 +214,7 @@ class CallTensors:
     ``lse`` is the flat float32 LSE buffer (None without LSE); ``meta`` the ``(8, B)`` int32 table;
     ``pages`` the int32 page ids (a 2-D block table, or FlashInfer's flat ``kv_indices``), None
     when ragged; scales are one-element float32 tensors (None: 1.0); ``sinks`` float32 ``(Hq,)``;
-    ``scratch`` the workspace bytes a backend may use (aligned to 256 bytes); ``zeroed``: whether
-    the launch that wrote ``meta`` for this run zeroed scratch's first ``ZERO_BYTES`` bytes (a
-    backend plan asks for it with ``zeroed_scratch = True``).
+    ``scratch`` the workspace bytes a backend may use (aligned to 256 bytes).
     """
 
     __slots__ = (
@@ -232,11 +230,10 @@ class CallTensors:
         "v_scale",
         "sinks",
         "scratch",
-        "zeroed",
     )
 
-    def __init__(self, q, k, v, out, lse, meta, pages, q_scale, k_scale, v_scale, sinks, scratch, zeroed=False):
+    def __init__(self, q, k, v, out, lse, meta, pages, q_scale, k_scale, v_scale, sinks, scratch):
         self.q, self.k, self.v, self.out, self.lse = q, k, v, out, lse
         self.meta, self.pages = meta, pages
         self.q_scale, self.k_scale, self.v_scale, self.sinks = q_scale, k_scale, v_scale, sinks
-        self.scratch, self.zeroed = scratch, zeroed
+        self.scratch = scratch

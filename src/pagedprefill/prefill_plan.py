@@ -39,7 +39,6 @@ class LayerPlan:
         "views",
         "table_launch",
         "table_tensors",
-        "zero",
     )
 
     def __init__(self, batch: PrefillBatch, backend, name: str, meta_bytes: int, out_shape, lse_shape, bounds, ret):
@@ -51,8 +50,6 @@ class LayerPlan:
         self.views = None  # (workspace, meta, scratch) of the plan's own workspace, once carved
         self.table_launch = LaunchSlot()  # the device table's launch, bound after its first one
         self.table_tensors = None  # (meta, its tensor arguments) for the plan's own workspace and vectors
-        # whether the device table's launch zeroes the backend's first scratch bytes (its work counter)
-        self.zero = batch.device_metadata and bool(getattr(backend, "zeroed_scratch", False))
 
     def check_overlaps(self, tensors: tuple, names) -> None:
         """:func:`normalise.check_spans` for this layout's tensors (``names()`` gives their argument
@@ -330,11 +327,10 @@ class PrefillPlan:
             else:
                 tt = lp.table_tensors
                 own = vectors is self.vectors
-                if tt is None or tt[0] is not meta or not own or not lp.table_launch.launch(tt[1], lp.zero):
-                    zero = scratch if lp.zero else None
-                    workspace.write_device_table(lp.bounds, vectors, meta, zero, lp.table_launch)
+                if tt is None or tt[0] is not meta or not own or not lp.table_launch.launch(tt[1]):
+                    workspace.write_device_table(lp.bounds, vectors, meta, lp.table_launch)
                     if own and lp.views is not None and lp.views[1] is meta:
-                        lp.table_tensors = (meta, workspace.table_tensors(vectors, meta, zero))
+                        lp.table_tensors = (meta, workspace.table_tensors(vectors, meta))
             q_s, k_s, v_s = (_device_scale(s, dev) for s in scales) if scaled else (None, None, None)
             t = CallTensors(
                 q,
@@ -349,7 +345,6 @@ class PrefillPlan:
                 v_s,
                 sinks,
                 scratch,
-                lp.zero,
             )
             lp.backend.run(t)
         finally:

@@ -73,23 +73,21 @@ def write_device_table(
     bd: Bounds,
     vecs: DeviceVectors,
     meta: Tensor,
-    zero: Tensor | None = None,
     slot: launch.LaunchSlot | None = None,
 ) -> None:
-    """Fill ``meta`` from device vectors without a host sync (one Triton launch where Triton runs),
-    and the first ``metadata.ZERO_BYTES`` bytes of ``zero`` (the backend's scratch, or None) in it;
+    """Fill ``meta`` from device vectors without a host sync (one Triton launch where Triton runs);
     ``slot``: see :func:`~pagedprefill.kernels.metadata.device_table_triton`."""
-    args = (bd, vecs.lens_q, vecs.lens_kv, vecs.offsets, vecs.kv_indptr, vecs.kv_last_page_len, meta, zero)
+    args = (bd, vecs.lens_q, vecs.lens_kv, vecs.offsets, vecs.kv_indptr, vecs.kv_last_page_len, meta)
     if meta.is_cuda and launch.unavailable_reason(meta.device) is None:
         device_table_triton(*args, slot=slot)
     else:
         device_table_torch(*args)
 
 
-def table_tensors(vecs: DeviceVectors, meta: Tensor, zero: Tensor | None) -> tuple:
+def table_tensors(vecs: DeviceVectors, meta: Tensor) -> tuple:
     """What the device table's launch, once bound to a :class:`~pagedprefill.kernels.launch.LaunchSlot`,
     takes for these tensors (a plan keeps it for its own workspace)."""
-    return launch_tensors(vecs.lens_q, vecs.lens_kv, vecs.offsets, vecs.kv_indptr, vecs.kv_last_page_len, meta, zero)
+    return launch_tensors(vecs.lens_q, vecs.lens_kv, vecs.offsets, vecs.kv_indptr, vecs.kv_last_page_len, meta)
 
 
 def carve(ws: Tensor, bsz: int, device_meta: bool) -> tuple[Tensor | None, Tensor]:

@@ -20,9 +20,6 @@ from pagedprefill.kernels.launch import LaunchSlot, fast_launch, triton
 if triton is not None:
     import triton.language as tl
 
-ZERO_BYTES = 16  # what a table's launch may zero besides (a backend's work counter: one launch less)
-
-
 @dataclass(frozen=True)
 class Bounds:
     """What the device lengths are clamped to, from the call's shapes (host ints)."""
@@ -44,19 +41,8 @@ class Bounds:
     units: dict  # name -> elements per token (1 for token offsets)
 
 
-def _check_zero(zero: Tensor) -> None:
-    if zero.dtype != torch.uint8 or zero.numel() < ZERO_BYTES:
-        raise ValueError(f"zero: expected >= {ZERO_BYTES} uint8 bytes, got {zero.numel()} of {zero.dtype}")
-
-
-def device_table_torch(
-    bounds: Bounds, lens_q, lens_kv, offsets, indptr, last, meta: Tensor, zero: Tensor | None = None
-) -> None:
-    """Fill ``meta`` (8, B) int32 from device vectors with torch ops (the definition); ``zero``: a
-    uint8 tensor whose first :data:`ZERO_BYTES` bytes a backend needs zeroed (a work counter)."""
-    if zero is not None:
-        _check_zero(zero)
-        zero[:ZERO_BYTES].zero_()
+def device_table_torch(bounds: Bounds, lens_q, lens_kv, offsets, indptr, last, meta: Tensor) -> None:
+    """Fill ``meta`` (8, B) int32 from device vectors with torch ops (the definition)."""
     bd = bounds
     dev = meta.device
     i64 = torch.int64
@@ -182,20 +168,15 @@ if triton is not None:
         unit_s,
         num_heads,
         lse_b_stride,
-        ZERO,
         HAS_OQ: tl.constexpr,
         HAS_OO: tl.constexpr,
         HAS_OK: tl.constexpr,
         HAS_OV: tl.constexpr,
         PAGES: tl.constexpr,
         LSE_MODE: tl.constexpr,
-        N_ZERO: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        """:func:`device_table_torch` in one program (prefix sums carried across BLOCK-sized chunks);
-        with ``N_ZERO``, the ``N_ZERO`` bytes at ``ZERO`` zeroed too."""
-        if N_ZERO > 0:
-            tl.store(ZERO + tl.arange(0, N_ZERO), tl.zeros([N_ZERO], ZERO.dtype.element_ty))
+        """:func:`device_table_torch` in one program (prefix sums carried across BLOCK-sized chunks)."""
         big = 2147483647
         carry_q = tl.zeros([], tl.int64)
         carry_kv = tl.zeros([], tl.int64)
@@ -275,14 +256,14 @@ else:
     _metadata_kernel = None
 
 
-def launch_tensors(lens_q, lens_kv, offsets, indptr, last, meta: Tensor, zero: Tensor | None) -> tuple:
+def launch_tensors(lens_q, lens_kv, offsets, indptr, last, meta: Tensor) -> tuple:
     """The table launch's tensor arguments in order (absent ones stand in as another tensor): what a
     :class:`~pagedprefill.kernels.launch.LaunchSlot` bound to it takes."""
     vecs = [offsets.get(k) if offsets.get(k) is not None else lens_q for k in ("q", "o", "k", "v", "stats")]
     lkv = lens_kv if lens_kv is not None else lens_q
     ip = indptr if indptr is not None else lens_q
     lp = last if last is not None else lens_q
-    return (meta, lens_q, lkv, *vecs, ip, lp, zero if zero is not None else meta)
+    return (meta, lens_q, lkv, *vecs, ip, lp)
 
 
 def device_table_triton(
@@ -293,26 +274,20 @@ def device_table_triton(
     indptr,
     last,
     meta: Tensor,
-    zero: Tensor | None = None,
     slot: LaunchSlot | None = None,
 ) -> None:
-    """:func:`device_table_torch` as one Triton launch (Triton must run on meta's device); ``zero``:
-    a uint8 tensor whose first :data:`ZERO_BYTES` bytes the same launch zeroes.
+    """:func:`device_table_torch` as one Triton launch (Triton must run on meta's device).
 
     ``slot``: kept by the caller for calls whose bounds and vector layouts are fixed (a plan's
     layout): the launch bound to them after the first call."""
     bd = bounds
     n = meta.shape[1]
-    if zero is not None:
-        _check_zero(zero)
     if n == 0:
-        if zero is not None:
-            zero[:ZERO_BYTES].zero_()
         return
-    tensors = launch_tensors(lens_q, lens_kv, offsets, indptr, last, meta, zero)
-    if slot is not None and slot.launch(tensors, zero is not None):
+    tensors = launch_tensors(lens_q, lens_kv, offsets, indptr, last, meta)
+    if slot is not None and slot.launch(tensors):
         return
-    meta, lens_q, lkv, *vecs, ip, lp, zt = tensors
+    meta, lens_q, lkv, *vecs, ip, lp = tensors
     names = ("q", "o", "k", "v", "stats")
     strides = [offsets[k].stride(0) if offsets.get(k) is not None else 0 for k in names]
     args = (
@@ -343,7 +318,6 @@ def device_table_triton(
         *(bd.units[k] for k in names),
         bd.num_heads,
         bd.max_q * bd.num_heads,
-        zt,
     )
     kwargs = dict(
         HAS_OQ="q" in offsets,
@@ -352,11 +326,10 @@ def device_table_triton(
         HAS_OV=bd.pages == 0 and "v" in offsets,
         PAGES=bd.pages,
         LSE_MODE=bd.lse_mode,
-        N_ZERO=ZERO_BYTES if zero is not None else 0,
         BLOCK=1024,
         num_warps=4,
     )
     if slot is not None:
-        slot.run(_metadata_kernel, (1,), args, kwargs, zero is not None)
+        slot.run(_metadata_kernel, (1,), args, kwargs)
     else:
         fast_launch(_metadata_kernel, (1,), args, kwargs)

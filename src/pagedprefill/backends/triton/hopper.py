@@ -11,7 +11,6 @@ import torch
 from pagedprefill import tuning
 from pagedprefill.batch import CallTensors, PrefillBatch
 from pagedprefill.kernels.launch import INTERPRETED, LaunchSlot, bind, fast_launch
-from pagedprefill.kernels.metadata import ZERO_BYTES
 
 try:
     from triton.experimental.gluon import language as gl
@@ -261,7 +260,7 @@ def tail_shares(batch: PrefillBatch, cfg: Config, total: int, programs: int) -> 
 def share_bytes(batch: PrefillBatch, cfg: Config, tail: int, shares: int) -> int:
     """Scratch bytes of the shares' partials (see :mod:`.hopper_kernel.merge`), from the scratch's start."""
     if shares <= 1:
-        return ZERO_BYTES
+        return 0
     rows = tail * shares * cfg.BLOCK_M
     return 4 * (hk.PART_OFFSET.value + rows * (batch.head_dim_vo + 1) + tail * hk.HEADER_INTS.value)
 
@@ -470,6 +469,27 @@ def num_m_blocks(batch: PrefillBatch, cfg: Config) -> int:
 
 
 MERGE_ROWS = 32  # rows of a split item per program of the shares' merge
+_COUNTERS: dict = {}  # (device index, raw stream) -> that stream's work counter
+
+
+def work_counter(device: torch.device) -> torch.Tensor:
+    """The dynamic scheduler's work counter for launches on the current stream of ``device``: an int32
+    tensor, zero whenever no launch that uses it is running. Launches on one stream never overlap and
+    each leaves it at zero (see :meth:`.hopper_kernel.schedule.Schedule.claim`), so one counter per
+    stream serves every plan with no zeroing launch, and none lives in a workspace that something else
+    may write between two runs. (A destroyed stream's handle may come back for a new stream: the
+    counter it finds is zero.) Off CUDA (compile-only tests) a fresh zeroed tensor."""
+    if device.type != "cuda":
+        return torch.zeros(64, dtype=torch.int32, device=device)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    key = (idx, torch._C._cuda_getCurrentRawStream(idx))
+    counter = _COUNTERS.get(key)
+    if counter is None:
+        # (64 words: the kernel derives its partials' pointer, never read here, 256 bytes on)
+        counter = _COUNTERS[key] = torch.zeros(64, dtype=torch.int32, device=torch.device("cuda", idx))
+    return counter
+
+
 _WARM_MERGES: set = set()  # the merge's compiled constants (see HopperPlan._warm_merge)
 _WARM_SIBLINGS: set = set()  # the sibling variants compiled (see HopperPlan._warm_sibling)
 
@@ -494,8 +514,8 @@ def _num_sms(device: torch.device) -> int:
 
 class HopperPlan:
     """The Hopper kernel's launch for one batch: config and constexprs fixed at plan time; each run
-    binds the call's tensors, builds their TMA descriptors and zeroes the work counter (unless the
-    device table's launch did: ``CallTensors.zeroed``), and merges the shares of split items
+    binds the call's tensors (with the stream's work counter: :func:`work_counter`) and builds
+    their TMA descriptors, and merges the shares of split items
     (:func:`tail_shares`) after the kernel.
 
     ``workspace_bytes`` (the caller's scratch room; None: unbounded) bounds the shares' partials: a
@@ -516,7 +536,7 @@ class HopperPlan:
         self.workspace_bytes = share_bytes(batch, cfg, self.n_tail, self.shares)
         if workspace_bytes is not None and self.shares > 1 and self.workspace_bytes > workspace_bytes:
             self.tail_base, self.shares, self.n_tail = total, 1, 0
-            self.workspace_bytes = ZERO_BYTES  # (the work counter, in what a device table zeroes)
+            self.workspace_bytes = 0
         items = self.tail_base + self.n_tail * self.shares
         self.grid = (max(min(items, sms), 1),)
         self._merge = LaunchSlot()  # the shares' merge, bound after its first launch
@@ -526,7 +546,6 @@ class HopperPlan:
         n_bh = batch.num_kv_heads * batch.batch_size
         self.chunk = max(min(cfg.chunk, n_bh) if cfg.chunk > 0 else n_bh, 1)
         self.dynamic = int(bool(cfg.dynamic))
-        self.zeroed_scratch = bool(self.dynamic)  # (the counter: zeroed by a device table's launch, if any)
         self._kwargs: dict = {}
         # after the first launch: the compiled kernel bound to this layout's fixed arguments, and which
         # of (k_desc, k1_desc, v_desc, v1_desc, q_desc) it takes (the layout decides)
@@ -627,7 +646,7 @@ class HopperPlan:
             layout = gl.NVMMASharedLayout(swizzle_byte_width=cols * esz, element_bitwidth=8 * esz, rank=3)
             g = batch.group_size
             q_desc = TensorDescriptor(q, list(q.shape), list(q.stride()), [64 // g, g, cols], layout)
-        counter = t.scratch[:4].view(torch.int32) if self.dynamic or self.shares > 1 else meta
+        counter = self._counter_arg(t, typed=True)
         args = (
             q,
             k,
@@ -706,7 +725,7 @@ class HopperPlan:
             t.lse if t.lse is not None else meta,
             meta,
             t.pages if self.batch.paged else meta,
-            t.scratch if self.dynamic or self.shares > 1 else meta,  # (the counter's first bytes)
+            self._counter_arg(t, typed=False),
             t.sinks if t.sinks is not None else meta,
             t.q_scale if t.q_scale is not None else meta,
             t.k_scale if t.k_scale is not None else meta,
@@ -723,9 +742,17 @@ class HopperPlan:
         if self.shares > 1:
             self._merge_shares(t)
 
+    def _counter_arg(self, t: CallTensors, typed: bool):
+        """The kernel's COUNTER (int32): the stream's work counter (dynamic), the scratch (split items'
+        partials) or a stand-in (neither is read); ``typed=False``: a tensor at its address only (as
+        the bound launch reads it), without the scratch's int32 view."""
+        if self.dynamic:
+            return work_counter(self.batch.device)
+        if self.shares > 1:
+            return t.scratch[:4].view(torch.int32) if typed else t.scratch
+        return t.meta
+
     def _attend(self, t: CallTensors) -> None:
-        if self.dynamic and not t.zeroed:
-            t.scratch[:4].zero_()
         bound = self._bound
         if bound is not None and bound(self._tensors(t)):
             return

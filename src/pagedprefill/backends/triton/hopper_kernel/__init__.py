@@ -5,8 +5,9 @@ How it works (``docs/design.md`` has the reasons and ``docs/decisions.md`` what 
 * A work item is ``BLOCK_M = 64 * NC`` query rows of one sequence and one KV head; a row is a
   (token, head-in-group) pair, so each K/V tile is loaded once for the whole GQA group.
 * A persistent grid (one program per SM) takes items in chunks of (sequence, KV head) pairs,
-  heaviest row block first; either off a per-call work counter as each program's loads reach
-  their next item (``dynamic``), or in static snake-ordered rounds.
+  heaviest row block first; either off a work counter as each program's loads reach their next
+  item (``dynamic``: one counter per stream, which the launch's last claim leaves at zero), or in
+  static snake-ordered rounds.
 * Each program is split into partitions (``gl.warp_specialize``): the load warps fill a ring of
   ``STAGES`` K/V tiles (bulk-tensor copies for tiles wholly below ``kv_len``, a zero-filling
   ``cp.async`` gather otherwise) and copy each item's Q by TMA; ``NC`` consumer warpgroups of 64

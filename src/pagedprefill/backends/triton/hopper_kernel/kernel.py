@@ -105,8 +105,9 @@ def attention_kernel(
     """LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each; the kernel's own
     num_warps (4) are the first consumer. The ``num_kv_heads * batch_size * num_m_blocks`` work
     items are dealt to a persistent grid (see :class:`Schedule`), those from ``tail_base`` on as
-    ``shares`` pieces each; COUNTER is the backend's scratch: the work counter (``dynamic``), or
-    the pieces' partials (from float32 element 64 on)."""
+    ``shares`` pieces each; COUNTER is the stream's work counter (``dynamic``: zero at the launch,
+    and zero again when it ends), or the backend's scratch, where the pieces' partials lie (from
+    float32 element 64 on)."""
     geo = Geometry(
         GROUP,
         PAGE_SIZE,

@@ -30,7 +30,7 @@ class Schedule:
     num_m_blocks: gl.tensor
     chunk: gl.tensor  # pairs whose row blocks are dealt together
     total: gl.tensor  # work items
-    counter: gl.tensor  # dynamic: the call's work counter (zeroed before the launch, on the stream)
+    counter: gl.tensor  # dynamic: the stream's work counter (zero at the launch; left at zero by it)
     dynamic: gl.tensor
     item_ids: gl.shared_memory_descriptor  # dynamic: item ids the load warps hand the consumers
     item_full: gl.shared_memory_descriptor
@@ -104,6 +104,11 @@ class Schedule:
         so that a program takes its next item when its loads reach it."""
         if self.dynamic != 0:
             item = gl.atomic_add(self.counter, 1, sem="relaxed")
+            # (a program claims until it draws an item past the last, so the launch's claims are
+            # 0 .. total + grid - 1, one at a time: the last one zeroes the counter for the next launch
+            # on the stream, with no claim left to come)
+            last = item == self.total + gl.num_programs(0) - 1
+            gl.atomic_xchg(self.counter, 0, mask=last, sem="relaxed")
         else:
             item = self.round_item(r)
         return item
