@@ -118,8 +118,6 @@ def breakdown(name: str, p, lb) -> None:
 
         meta, slot = t.meta, lp.table_launch
         rows["device table launch"] = lambda: workspace.write_device_table(lp.bounds, p.vectors, meta, slot=slot)
-    if hasattr(t.scratch, "zero_"):
-        rows["scratch[:4].zero_()"] = lambda: t.scratch[:4].zero_()
     bound = getattr(be, "_bound", None)
     if bound:
         tensors = be._tensors(t)

@@ -475,7 +475,7 @@ _COUNTERS: dict = {}  # (device index, raw stream) -> that stream's work counter
 def work_counter(device: torch.device) -> torch.Tensor:
     """The dynamic scheduler's work counter for launches on the current stream of ``device``: an int32
     tensor, zero whenever no launch that uses it is running. Launches on one stream never overlap and
-    each leaves it at zero (see :meth:`.hopper_kernel.schedule.Schedule.claim`), so one counter per
+    each leaves it at zero (see :meth:`.hopper_kernel.schedule.Schedule.reset`), so one counter per
     stream serves every plan with no zeroing launch, and none lives in a workspace that something else
     may write between two runs. (A destroyed stream's handle may come back for a new stream: the
     counter it finds is zero.) Off CUDA (compile-only tests) a fresh zeroed tensor."""

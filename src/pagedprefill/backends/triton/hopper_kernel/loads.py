@@ -515,4 +515,5 @@ def _load_partition(
         r += 1
         item = sched.claim(r)
     if sched.dynamic != 0:  # (item >= total: the consumers' stop)
+        sched.reset(item)
         sched.post(item, r, geo.LOAD_WARPS)

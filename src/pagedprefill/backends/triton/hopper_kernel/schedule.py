@@ -104,14 +104,19 @@ class Schedule:
         so that a program takes its next item when its loads reach it."""
         if self.dynamic != 0:
             item = gl.atomic_add(self.counter, 1, sem="relaxed")
-            # (a program claims until it draws an item past the last, so the launch's claims are
-            # 0 .. total + grid - 1, one at a time: the last one zeroes the counter for the next launch
-            # on the stream, with no claim left to come)
-            last = item == self.total + gl.num_programs(0) - 1
-            gl.atomic_xchg(self.counter, 0, mask=last, sem="relaxed")
         else:
             item = self.round_item(r)
         return item
+
+    @gluon.jit
+    def reset(self, item):
+        """Load warps (dynamic), past their last claim (``item >= total``): a program claims until it
+        draws an item past the last, so a launch's claims are 0 .. total + grid - 1, one at a time;
+        the program that drew the last one zeroes the counter for the next launch on the stream, with
+        no claim left to come. (Zeroed inside :meth:`claim`, in the item loop, every such launch hung
+        on the H200, the counter reading zero while it ran: see docs/decisions.md.)"""
+        last = item == self.total + gl.num_programs(0) - 1
+        gl.atomic_xchg(self.counter, 0, mask=last, sem="relaxed")
 
     @gluon.jit
     def post(self, item, r, LOAD_WARPS: gl.constexpr):
