@@ -478,7 +478,10 @@ def work_counter(device: torch.device) -> torch.Tensor:
     each leaves it at zero (see :meth:`.hopper_kernel.schedule.Schedule.reset`), so one counter per
     stream serves every plan with no zeroing launch, and none lives in a workspace that something else
     may write between two runs. (A destroyed stream's handle may come back for a new stream: the
-    counter it finds is zero.) Off CUDA (compile-only tests) a fresh zeroed tensor."""
+    counter it finds is zero.) A stream's first counter made while that stream is captured in a CUDA
+    graph is zeroed by the graph's replays, not at once: an eager launch on that same stream before
+    the first replay would find it unset (warm up eagerly before capturing, as engines do). Off CUDA
+    (compile-only tests) a fresh zeroed tensor."""
     if device.type != "cuda":
         return torch.zeros(64, dtype=torch.int32, device=device)
     idx = device.index if device.index is not None else torch.cuda.current_device()
