@@ -810,7 +810,6 @@ def check_workspace(ws: object, device: torch.device) -> Tensor:
     if not ws.is_contiguous():
         raise fail("workspace_buffer", "a contiguous buffer", f"strides {tuple(ws.stride())}")
     if ws.numel() and ws.data_ptr() % 16:
-        # (the metadata table, the work counter and the split last round's partials are int32 and
-        # float32 views of it)
+        # (the metadata table and the split last round's partials are int32 and float32 views of it)
         raise fail("workspace_buffer", "a buffer starting at a 16-byte aligned address", f"address {ws.data_ptr():#x}")
     return ws.view(-1).view(torch.uint8) if ws.numel() else ws.view(torch.uint8)
