@@ -470,6 +470,9 @@ def num_m_blocks(batch: PrefillBatch, cfg: Config) -> int:
 
 MERGE_ROWS = 32  # rows of a split item per program of the shares' merge
 _COUNTERS: dict = {}  # (device index, raw stream) -> that stream's work counter
+# int32 words of a work counter: the kernel derives its partials' pointer (never read with the counter)
+# 256 bytes on
+COUNTER_WORDS = 64
 
 
 def work_counter(device: torch.device) -> torch.Tensor:
@@ -483,13 +486,12 @@ def work_counter(device: torch.device) -> torch.Tensor:
     the first replay would find it unset (warm up eagerly before capturing, as engines do). Off CUDA
     (compile-only tests) a fresh zeroed tensor."""
     if device.type != "cuda":
-        return torch.zeros(64, dtype=torch.int32, device=device)
+        return torch.zeros(COUNTER_WORDS, dtype=torch.int32, device=device)
     idx = device.index if device.index is not None else torch.cuda.current_device()
     key = (idx, torch._C._cuda_getCurrentRawStream(idx))
     counter = _COUNTERS.get(key)
     if counter is None:
-        # (64 words: the kernel derives its partials' pointer, never read here, 256 bytes on)
-        counter = _COUNTERS[key] = torch.zeros(64, dtype=torch.int32, device=torch.device("cuda", idx))
+        counter = _COUNTERS[key] = torch.zeros(COUNTER_WORDS, dtype=torch.int32, device=torch.device("cuda", idx))
     return counter
 
 
