@@ -308,6 +308,64 @@ def test_gpu_the_work_counter_is_left_at_zero(page_size, offsets, lens_q, lens_k
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("device_lengths", [True, False])
+def test_gpu_a_captured_launch_brings_its_own_work_counter(device_lengths):
+    """A launch off the work counter captured in a CUDA graph on a stream that no eager launch has used
+    (warm-up on the main stream, capture on a side stream, as engines do): an eager run on that side
+    stream before the first replay, and replays on the main stream, each match the oracle. The captured
+    launch's counter is its own (a graph replays on the stream current then, and a counter made during
+    capture holds no zero until the first replay), and every counter reads zero afterwards."""
+    from pagedprefill.backends.triton import hopper
+
+    case = make_case(
+        41,
+        lens_q=[1500, 0, 1100, 33],
+        lens_kv=[1600, 30, 1100, 600],
+        hq=15,
+        hkv=3,
+        dqk=128,
+        page_size=16,
+        dtype=BF16,
+        device="cuda",
+        lens_on_device=device_lengths,
+    )
+    p = plan_of(case, "triton")
+    (lp,) = p.layers.values()
+    if type(lp.backend).__name__ != "HopperPlan" or not lp.backend.dynamic:
+        pytest.skip(f"not the Hopper kernel off its work counter here ({lp.name}, {type(lp.backend).__name__})")
+    kw = case.kwargs
+    main = torch.cuda.current_stream()
+
+    def run_into(out, lse):
+        poison(out)
+        poison(lse)
+        return p.run(kw["q"], kw["k_cache"], kw["v_cache"], out, lse)
+
+    check(case, *run_into(kw["out"], kw["lse"]), atol=atol_for(BF16), lse_atol=2e-2)
+    side = torch.cuda.Stream()
+    side.wait_stream(main)
+    graph = torch.cuda.CUDAGraph()
+    captured_before = len(hopper._CAPTURED_COUNTERS)
+    graph_out, graph_lse = torch.empty_like(kw["out"]), torch.empty_like(kw["lse"])
+    with torch.cuda.graph(graph, stream=side):
+        p.run(kw["q"], kw["k_cache"], kw["v_cache"], graph_out, graph_lse)
+    assert len(hopper._CAPTURED_COUNTERS) == captured_before + 1
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        eager = run_into(torch.empty_like(kw["out"]), torch.empty_like(kw["lse"]))
+    main.wait_stream(side)
+    check(case, *eager, atol=atol_for(BF16), lse_atol=2e-2)
+    for _ in range(2):
+        poison(graph_out)
+        poison(graph_lse)
+        graph.replay()
+        check(case, graph_out, graph_lse, atol=atol_for(BF16), lse_atol=2e-2)
+    torch.cuda.synchronize()
+    for counter in [*hopper._COUNTERS.values(), hopper._CAPTURED_COUNTERS[-1]]:
+        assert not counter.any(), counter[:4].tolist()
+
+
+@pytest.mark.gpu
 def test_gpu_plan_captured_in_a_cuda_graph_follows_device_lengths():
     """A plan over device lengths / table, captured once, replayed after their contents change."""
     from test_backend_triton import graph_case

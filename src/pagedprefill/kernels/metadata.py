@@ -20,6 +20,7 @@ from pagedprefill.kernels.launch import LaunchSlot, fast_launch, triton
 if triton is not None:
     import triton.language as tl
 
+
 @dataclass(frozen=True)
 class Bounds:
     """What the device lengths are clamped to, from the call's shapes (host ints)."""

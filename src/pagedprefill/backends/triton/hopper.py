@@ -469,25 +469,34 @@ def num_m_blocks(batch: PrefillBatch, cfg: Config) -> int:
 
 
 MERGE_ROWS = 32  # rows of a split item per program of the shares' merge
-_COUNTERS: dict = {}  # (device index, raw stream) -> that stream's work counter
-# int32 words of a work counter: the kernel derives its partials' pointer (never read with the counter)
-# 256 bytes on
+_COUNTERS: dict = {}  # (device index, raw stream) -> that stream's work counter (eager launches)
+_CAPTURED_COUNTERS: list = []  # one per launch captured in a CUDA graph, alive as long as the graphs
+# int32 words of a work counter: the kernel also forms its partials' pointer 256 bytes past COUNTER
+# (never read when the schedule is dynamic), which must stay inside the tensor
 COUNTER_WORDS = 64
 
 
 def work_counter(device: torch.device) -> torch.Tensor:
-    """The dynamic scheduler's work counter for launches on the current stream of ``device``: an int32
-    tensor, zero whenever no launch that uses it is running. Launches on one stream never overlap and
-    each leaves it at zero (see :meth:`.hopper_kernel.schedule.Schedule.reset`), so one counter per
-    stream serves every plan with no zeroing launch, and none lives in a workspace that something else
-    may write between two runs. (A destroyed stream's handle may come back for a new stream: the
-    counter it finds is zero.) A stream's first counter made while that stream is captured in a CUDA
-    graph is zeroed by the graph's replays, not at once: an eager launch on that same stream before
-    the first replay would find it unset (warm up eagerly before capturing, as engines do). Off CUDA
-    (compile-only tests) a fresh zeroed tensor."""
+    """The dynamic scheduler's work counter for a launch on the current stream of ``device``: an int32
+    tensor, zero whenever no launch that uses it is running.
+
+    Eager launches on one stream never overlap and each leaves its counter at zero (see
+    :meth:`.hopper_kernel.schedule.Schedule.reset`), so one counter per stream serves every plan with
+    no zeroing launch, and none lives in a workspace that something else may write between two runs.
+    (A destroyed stream's handle may come back for a new stream: the counter it finds is zero.)
+
+    A launch captured in a CUDA graph gets a counter of its own, zeroed by a node of the graph before
+    each replay: a graph replays on whatever stream is current then, possibly beside eager launches
+    on the stream it was captured on, and a counter made during capture holds no zero until the first
+    replay. Off CUDA (compile-only tests) a fresh zeroed tensor."""
     if device.type != "cuda":
         return torch.zeros(COUNTER_WORDS, dtype=torch.int32, device=device)
     idx = device.index if device.index is not None else torch.cuda.current_device()
+    if torch._C._cuda_isCurrentStreamCapturing():
+        counter = torch.zeros(COUNTER_WORDS, dtype=torch.int32, device=torch.device("cuda", idx))
+        # (kept: the graph's private pool would otherwise hand the block to a later capture's tensor)
+        _CAPTURED_COUNTERS.append(counter)
+        return counter
     key = (idx, torch._C._cuda_getCurrentRawStream(idx))
     counter = _COUNTERS.get(key)
     if counter is None:
