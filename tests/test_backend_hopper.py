@@ -594,12 +594,27 @@ _AOT = textwrap.dedent(
         variants = {{k: knobs.pop(k) for k in ("window_left", "logits_soft_cap", "sinks") if k in knobs}}
         if "kv_dtype" in knobs:
             variants["kv_dtype"] = getattr(torch, knobs.pop("kv_dtype"))
+        vectors = knobs.pop("vectors", False)
         case = make_case(0, lens_q=[5, 7], lens_kv=[9, 30], hq=8, hkv=2, dqk=d, dvo=dvo, page_size=page,
                          dtype=getattr(torch, dt), causal=causal, **variants)
         p, lp, ws = planned(case, "torch")
         with tuning.override("hopper", **knobs):
             plan = hp.HopperPlan(lp.batch)
-        for kernel, grid, args, kwargs in plan.launches(call_tensors(case, p, lp, ws)):
+        t = call_tensors(case, p, lp, ws)
+        if vectors:  # (lengths and offsets as device vectors: the kernel reads them in place of the table)
+            from pagedprefill import workspace
+            from pagedprefill.batch import DeviceVectors
+            i32 = dict(dtype=torch.int32)
+            starts = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], **i32)
+            offs = dict(q=starts(case.lens_q), stats=starts(case.lens_q))
+            if not page:
+                offs["k"] = starts(case.lens_kv)
+            vecs = DeviceVectors(torch.tensor(case.lens_q, **i32), torch.tensor(case.lens_kv, dtype=torch.int64),
+                                 offs, None, None, "tokens")
+            n_idx = t.pages.numel() if t.pages is not None else 0
+            assert plan.take_vectors(workspace.bounds(lp.batch, vecs, n_idx), vecs)
+            t.vectors = vecs
+        for kernel, grid, args, kwargs in plan.launches(t):
             binder = create_function_from_signature(kernel.signature, kernel.params, backend)
             bound, sp, opts = binder(*args, **kwargs)
             options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, sp, opts)
@@ -643,6 +658,9 @@ SPECS = [  # (the cases' 7-token queries at GQA 4 take NARROW at D 128 unless th
     (192, 16, True, "bfloat16", 128, dict(kv_dtype="float8_e4m3fn", logits_soft_cap=30.0)),
     (128, 16, True, "float8_e4m3fn", 128, {}),  # e4m3 q, k and v: 8-bit wgmmas, V transposed
     (64, 1, False, "float8_e4m3fn", 64, dict(window_left=40)),
+    # device lengths and offsets read by the kernel in place of the metadata table
+    (128, 0, True, "bfloat16", 128, dict(vectors=True, dynamic=1)),
+    (128, 16, True, "bfloat16", 128, dict(vectors=True)),
 ]
 
 
@@ -1191,3 +1209,117 @@ def test_tma_plan_for_d96_boxes_64_plus_32_columns():
     assert [list(d.block_shape) for d in (k0, k1, v0, v1)] == [[box, 64], [box, 32], [box, 64], [box, 32]]
     assert k1.layout.swizzle_byte_width == v1.layout.swizzle_byte_width == 64 and k0.layout.swizzle_byte_width == 128
     assert not hp.q_tma_applies(lp.batch, case.kwargs["q"]) and hp.o_stage_mode(lp.batch, False) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(560, 584))
+def test_gpu_random_grid_device_vectors(seed, monkeypatch):
+    """Lengths and offsets on the device, read by the Hopper kernel itself (no metadata table launch:
+    ``write_device_table`` may not be called): random shapes, GQA ratios, page sizes, offset units,
+    LSE layouts and persistent grids of 1-3 programs (odd seeds), against the float64 oracle."""
+    from pagedprefill import workspace
+
+    if seed % 2:
+        monkeypatch.setattr(hp, "_num_sms", lambda device, n=1 + seed % 3: n)
+    params = hopper_params(seed)
+    params.update(lens_on_device=True, offsets=("elements", "tokens")[seed % 2])
+    case = make_case(seed, **params)
+    _, lp, _ = planned(case, "triton")
+    if type(lp.backend).__name__ != "HopperPlan":
+        pytest.skip(f"not the Hopper kernel here ({type(lp.backend).__name__})")
+    assert lp.reads_vectors, "the Hopper kernel did not take the device vectors"
+    monkeypatch.setattr(workspace, "write_device_table", lambda *a, **k: pytest.fail("a metadata table launch"))
+    out, lse = call(case, knobs=dict(num_splits=1), hopper=dict(dynamic=seed // 2 % 2))
+    check(case, out, lse, atol=atol_for(case.kwargs["q"].dtype), lse_atol=2e-2)
+
+
+def _rows_probe_kernel():
+    """A Gluon kernel that writes, for every sequence b, the 8 rows the Hopper kernel's work items read
+    (:meth:`.hopper_kernel.rows.SequenceRows.of`) into OUT (8, n), as the table's row order."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    from pagedprefill.backends.triton.hopper_kernel.rows import sequence_rows
+
+    @gluon.jit
+    def probe(OUT, n, META, LQ, LKV, OQ, OO, OK, OV, OS, IP, LP, max_q, max_kv, rows_q, rows_o, rows_k, rows_v,
+              lse_numel, table_width, table_stride, num_indices, unit_q, unit_o, unit_k, unit_v, unit_s, num_heads,
+              lse_b_stride, PAGE_SIZE: gl.constexpr, VECTORS: gl.constexpr, CSR: gl.constexpr,
+              HAS_OO: gl.constexpr, HAS_OV: gl.constexpr, LSE_MODE: gl.constexpr):  # fmt: skip
+        rows = sequence_rows(META, n, LQ, LKV, OQ, OO, OK, OV, OS, IP, LP, max_q, max_kv, rows_q, rows_o, rows_k,
+                             rows_v, lse_numel, table_width, table_stride, num_indices, unit_q, unit_o, unit_k, unit_v,
+                             unit_s, num_heads, lse_b_stride, VECTORS, CSR, HAS_OO, HAS_OV, LSE_MODE)  # fmt: skip
+        for b in range(n):
+            r = rows.of(b, PAGE_SIZE, True)
+            for i in gl.static_range(8):
+                gl.store(OUT + i * n + b, r[i])
+
+    return probe
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pages", [0, 1, 2])
+@pytest.mark.parametrize("lse_mode", [0, 1, 2])
+@pytest.mark.parametrize("units", ["tokens", "elements"])
+def test_gpu_rows_from_device_vectors_are_the_tables(pages, lse_mode, units):
+    """Each sequence's rows as the Hopper kernel computes them from device vectors equal the metadata
+    table's definition (``device_table_torch``) on hostile vectors: lengths past their bounds and
+    negative, offsets past the tensors' rows, negative and past 2^31 (int64), CSR pointers that fall
+    or leave ``kv_indices``, last-page lengths out of [1, page_size]; and read from that table, too
+    (whose paged K / V starts and ragged page-list starts are 0, as the work items take them)."""
+    from pagedprefill.batch import DeviceVectors, per_token
+    from pagedprefill.kernels.metadata import Bounds, device_table_torch
+
+    r = random.Random(pages * 100 + lse_mode * 10 + (units == "tokens"))
+    dev, bsz, hq, page_size = torch.device("cuda"), 37, 6, 16
+    per = dict.fromkeys(("q", "o", "k", "v", "stats"), 1) if units == "tokens" else per_token(hq, 2, 64, 64)
+
+    def vec(lo, hi, n=bsz, dtype=torch.int32):
+        return torch.tensor([r.randint(lo, hi) for _ in range(n)], dtype=dtype, device=dev)
+
+    def offsets(name, rows):
+        u = per[name]
+        t = vec(-3 * u, (rows + 40) * u, bsz + 1, dtype=r.choice([torch.int32, torch.int64]))
+        if t.dtype == torch.int64:
+            t[r.randrange(bsz)] = 2**33 + 5
+        return t
+
+    bd = Bounds(
+        max_q=50,
+        max_kv=300,
+        rows_q=700,
+        rows_o=650,
+        rows_k=0 if pages else 2000,
+        rows_v=0 if pages else 1900,
+        lse_numel=600 * hq,
+        lse_mode=lse_mode,
+        pages=pages,
+        table_width=7 if pages == 1 else 0,
+        table_stride=9 if pages == 1 else 0,
+        num_indices=120 if pages == 2 else 0,
+        page_size=page_size if pages else 0,
+        num_heads=hq,
+        units=per,
+    )
+    offs = {"q": offsets("q", 700), "o": offsets("o", 650)}
+    if not pages:
+        offs.update(k=offsets("k", 2000), v=offsets("v", 1900))
+    if lse_mode == 2:
+        offs["stats"] = offsets("stats", 600)
+    if r.random() < 0.5:
+        del offs["o"]
+    ip = vec(-4, 130, bsz + 1) if pages == 2 else None
+    last = vec(-2, 20) if pages == 2 else None
+    vecs = DeviceVectors(vec(-5, 90), None if pages == 2 else vec(-5, 500), offs, ip, last, units)
+    table = torch.full((8, bsz), -9, dtype=torch.int32, device=dev)
+    device_table_torch(bd, vecs.lens_q, vecs.lens_kv, offs, ip, last, table)
+    ints, modes = hp.vector_args(bd, vecs)
+    probe = _rows_probe_kernel()
+    for from_vectors in (True, False):
+        got = torch.full((8, bsz), -11, dtype=torch.int32, device=dev)
+        tensors = hp.vector_tensors(vecs) if from_vectors else (None,) * 9
+        args = ints if from_vectors else (None,) * len(ints)
+        kw = modes if from_vectors else dict(modes, VECTORS=False)
+        probe[(1,)](got, bsz, table, *tensors, *args[:-1], hq, args[-1], PAGE_SIZE=bd.page_size, **kw, num_warps=4)
+        torch.cuda.synchronize()
+        assert torch.equal(got, table), (from_vectors, (got != table).nonzero()[:5].tolist(), got, table)

@@ -214,7 +214,9 @@ class CallTensors:
     ``lse`` is the flat float32 LSE buffer (None without LSE); ``meta`` the ``(8, B)`` int32 table;
     ``pages`` the int32 page ids (a 2-D block table, or FlashInfer's flat ``kv_indices``), None
     when ragged; scales are one-element float32 tensors (None: 1.0); ``sinks`` float32 ``(Hq,)``;
-    ``scratch`` the workspace bytes a backend may use (aligned to 256 bytes).
+    ``scratch`` the workspace bytes a backend may use (aligned to 256 bytes); ``vectors`` the run's
+    device lengths and offsets, for a backend plan that took them in place of the table (see
+    ``PrefillPlan``: ``meta`` is then not written).
     """
 
     __slots__ = (
@@ -230,10 +232,12 @@ class CallTensors:
         "v_scale",
         "sinks",
         "scratch",
+        "vectors",
     )
 
-    def __init__(self, q, k, v, out, lse, meta, pages, q_scale, k_scale, v_scale, sinks, scratch):
+    def __init__(self, q, k, v, out, lse, meta, pages, q_scale, k_scale, v_scale, sinks, scratch, vectors=None):
         self.q, self.k, self.v, self.out, self.lse = q, k, v, out, lse
         self.meta, self.pages = meta, pages
         self.q_scale, self.k_scale, self.v_scale, self.sinks = q_scale, k_scale, v_scale, sinks
         self.scratch = scratch
+        self.vectors = vectors

@@ -39,6 +39,7 @@ class LayerPlan:
         "views",
         "table_launch",
         "table_tensors",
+        "reads_vectors",
     )
 
     def __init__(self, batch: PrefillBatch, backend, name: str, meta_bytes: int, out_shape, lse_shape, bounds, ret):
@@ -50,6 +51,7 @@ class LayerPlan:
         self.views = None  # (workspace, meta, scratch) of the plan's own workspace, once carved
         self.table_launch = LaunchSlot()  # the device table's launch, bound after its first one
         self.table_tensors = None  # (meta, its tensor arguments) for the plan's own workspace and vectors
+        self.reads_vectors = False  # the backend reads the device vectors itself: no table is written
 
     def check_overlaps(self, tensors: tuple, names) -> None:
         """:func:`normalise.check_spans` for this layout's tensors (``names()`` gives their argument
@@ -255,7 +257,10 @@ class PrefillPlan:
             n_idx = self.pages.numel() if self.pages is not None else 0
             bounds = workspace.bounds(batch, vectors or self.vectors, n_idx)
         out_shape = tuple(out.shape) if out_allocated else None
-        return LayerPlan(batch, bplan, module.NAME, meta_b, out_shape, lse_shape, bounds, return_lse)
+        lp = LayerPlan(batch, bplan, module.NAME, meta_b, out_shape, lse_shape, bounds, return_lse)
+        take = getattr(bplan, "take_vectors", None)  # (a backend that computes the table's rows itself)
+        lp.reads_vectors = bounds is not None and take is not None and take(bounds, vectors or self.vectors)
+        return lp
 
     # ----------------------------------------------------------------------------------------
     # per run
@@ -324,7 +329,7 @@ class PrefillPlan:
                 meta = self.meta
                 if self._copy_event is not None:
                     self._wait_copy()
-            else:
+            elif not lp.reads_vectors:
                 tt = lp.table_tensors
                 own = vectors is self.vectors
                 if tt is None or tt[0] is not meta or not own or not lp.table_launch.launch(tt[1]):
@@ -345,6 +350,7 @@ class PrefillPlan:
                 v_s,
                 sinks,
                 scratch,
+                vectors if lp.reads_vectors else None,
             )
             lp.backend.run(t)
         finally:

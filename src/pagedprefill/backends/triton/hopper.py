@@ -9,8 +9,9 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from pagedprefill import tuning
-from pagedprefill.batch import CallTensors, PrefillBatch
+from pagedprefill.batch import CallTensors, DeviceVectors, PrefillBatch
 from pagedprefill.kernels.launch import INTERPRETED, LaunchSlot, bind, fast_launch
+from pagedprefill.kernels.metadata import Bounds
 
 try:
     from triton.experimental.gluon import language as gl
@@ -504,6 +505,49 @@ def work_counter(device: torch.device) -> torch.Tensor:
     return counter
 
 
+def vector_args(bd: Bounds, vecs: DeviceVectors) -> tuple[tuple, dict] | None:
+    """``(bounds, modes)``: the kernel's arguments after its vectors (``hopper_kernel.BOUND_ARGS``) and
+    its VECTORS constexprs, for reading ``vecs`` clamped to ``bd`` in place of the metadata table; None
+    where that does not apply: a start that needs a prefix sum (no q offsets; ragged: no K offsets;
+    packed LSE: no stats offsets), or a vector that is not a dense int32 / int64 row."""
+    offs = vecs.offsets
+    if "q" not in offs or (bd.pages == 0 and "k" not in offs) or (bd.lse_mode == 2 and "stats" not in offs):
+        return None
+    for t in (vecs.lens_q, vecs.lens_kv, vecs.kv_indptr, vecs.kv_last_page_len, *offs.values()):
+        if t is not None and (t.dim() != 1 or t.stride(0) != 1 or t.dtype not in (torch.int32, torch.int64)):
+            return None
+    u = bd.units
+    ints = (
+        bd.max_q,
+        bd.max_kv,
+        bd.rows_q,
+        bd.rows_o,
+        bd.rows_k,
+        bd.rows_v,
+        bd.lse_numel,
+        bd.table_width,
+        bd.table_stride,
+        bd.num_indices,
+        *(u[n] for n in ("q", "o", "k", "v", "stats")),
+        bd.max_q * bd.num_heads,
+    )
+    modes = dict(
+        VECTORS=True,
+        CSR=bd.pages == 2,
+        HAS_OO="o" in offs,
+        HAS_OV=bd.pages == 0 and "v" in offs,
+        LSE_MODE=bd.lse_mode,
+    )
+    return ints, modes
+
+
+def vector_tensors(vecs: DeviceVectors) -> tuple:
+    """The kernel's vector arguments ``hopper_kernel.VECTOR_ARGS`` (an absent one stands in as lens_q)."""
+    lq, offs = vecs.lens_q, vecs.offsets
+    pick = (vecs.lens_kv, offs.get("q"), offs.get("o"), offs.get("k"), offs.get("v"), offs.get("stats"))
+    return (lq, *(lq if x is None else x for x in (*pick, vecs.kv_indptr, vecs.kv_last_page_len)))
+
+
 _WARM_MERGES: set = set()  # the merge's compiled constants (see HopperPlan._warm_merge)
 _WARM_SIBLINGS: set = set()  # the sibling variants compiled (see HopperPlan._warm_sibling)
 
@@ -519,6 +563,9 @@ def _spec_key(a: object) -> object:
 
 
 DESC_ARGS = slice(27, 32)  # k_desc, k1_desc, v_desc, v1_desc, q_desc in the kernel's arguments
+# the kernel reading the metadata table: its vector arguments and their bounds None, its modes off
+_NO_VECTORS = (None,) * (len(hk.VECTOR_ARGS) + len(hk.BOUND_ARGS)) if hk is not None else ()
+_TABLE_MODE = dict(VECTORS=False, CSR=False, HAS_OO=False, HAS_OV=False, LSE_MODE=0)
 
 
 @functools.cache
@@ -566,8 +613,20 @@ class HopperPlan:
         self._bound = None
         self._bind_tried = False
         self._descs_present: tuple = ()
+        self._vector_mode: tuple | None = None  # (take_vectors) the kernel's bounds and modes
         if not cfg.dynamic and not batch.has_sinks and batch.device.type == "cuda" and workspace_bytes != 0:
             self._warm_merge()  # (a later call of this shape with other lengths may split)
+
+    def take_vectors(self, bd: Bounds, vecs: DeviceVectors) -> bool:
+        """Whether the kernel reads this layout's device lengths and offsets itself, so that a run
+        launches no metadata table before it (see :func:`vector_args`); if so, fixes the bounds it
+        clamps them to (``bd``, this layout's)."""
+        mode = vector_args(bd, vecs)
+        if mode is None:
+            return False
+        self._vector_mode = mode
+        self._kwargs.clear()
+        return True
 
     def _merge_kwargs(self, cfg: Config | None = None) -> dict:
         batch, dvo = self.batch, self.batch.head_dim_vo
@@ -638,6 +697,7 @@ class HopperPlan:
             K_SCALED=batch.k_scaled,
             V_SCALED=batch.v_scaled,
             SPLIT=bool(cfg.split) and use_tma and not (batch.fp8_kv or batch.fp8_q),
+            **(self._vector_mode[1] if self._vector_mode else _TABLE_MODE),
             num_warps=4,
         )
 
@@ -700,6 +760,10 @@ class HopperPlan:
             self.tail_base,
             self.shares,
         )
+        if self._vector_mode:
+            args += (*vector_tensors(t.vectors), *self._vector_mode[0])
+        else:
+            args += _NO_VECTORS
         return [(hk.attention_kernel, self.grid, args, self._constexprs(tma, q_tma))]
 
     def _warm_sibling(self, args: tuple, kwargs: dict) -> None:
@@ -744,7 +808,7 @@ class HopperPlan:
             t.q_scale if t.q_scale is not None else meta,
             t.k_scale if t.k_scale is not None else meta,
             t.v_scale if t.v_scale is not None else meta,
-        )
+        ) + (vector_tensors(t.vectors) if self._vector_mode else ())
 
     def _desc_bases(self) -> tuple:
         """For each descriptor the bound kernel takes, in order, its base tensor's index among

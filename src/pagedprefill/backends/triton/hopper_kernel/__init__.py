@@ -26,13 +26,14 @@ memory and its barriers), :class:`KVSource` (where K/V rows are in global memory
 Files by concern: ``geometry`` (shape, work item), ``schedule`` (dealing items), ``buffers`` (shared
 memory rings), ``loads`` (the load partition, TMA / cp.async, 8-bit widening), ``softmax`` (the
 online softmax and O's lazy rescale), ``consumer`` (the consumer partition and epilogue), ``kernel``
-(the entry), ``merge`` (the shares' merge).
+(the entry), ``merge`` (the shares' merge), ``rows`` (a sequence's lengths and starts: the metadata
+table's, or computed from the device vectors in place of the table).
 
 Lengths, offsets and page ids are read on the device; page ids are clamped; rows with no visible
 key get out 0 and lse -inf.
 """
 
-from .kernel import attention_kernel
+from .kernel import BOUND_ARGS, VECTOR_ARGS, attention_kernel
 from .merge import HEADER_INTS, PART_OFFSET, share_merge_kernel
 
-__all__ = ["HEADER_INTS", "PART_OFFSET", "attention_kernel", "share_merge_kernel"]
+__all__ = ["BOUND_ARGS", "HEADER_INTS", "PART_OFFSET", "VECTOR_ARGS", "attention_kernel", "share_merge_kernel"]

@@ -11,7 +11,29 @@ from .consumer import OutSink, _consumer_partition
 from .geometry import Geometry
 from .loads import KVSource, _load_partition
 from .merge import PART_OFFSET
+from .rows import sequence_rows
 from .schedule import ITEM_RING, Schedule
+
+# the device vectors a run with device lengths reads in place of the table (VECTORS), and their bounds
+VECTOR_ARGS = ("LQ", "LKV", "OQ", "OO", "OK", "OV", "OS", "IP", "LP")
+BOUND_ARGS = (
+    "max_q",
+    "max_kv",
+    "rows_q",
+    "rows_o",
+    "rows_k",
+    "rows_v",
+    "lse_numel",
+    "table_width",
+    "table_stride",
+    "num_indices",
+    "unit_q",
+    "unit_o",
+    "unit_k",
+    "unit_v",
+    "unit_s",
+    "lse_b_stride",
+)
 
 
 @gluon.jit(
@@ -25,8 +47,9 @@ from .schedule import ITEM_RING, Schedule
         "window",
         "tail_base",
         "shares",
+        *BOUND_ARGS,
     ],
-    do_not_specialize_on_alignment=["BT", "LSE", "COUNTER", "SINKS", "Q_SCALE", "K_SCALE", "V_SCALE"],
+    do_not_specialize_on_alignment=["BT", "LSE", "COUNTER", "SINKS", "Q_SCALE", "K_SCALE", "V_SCALE", *VECTOR_ARGS],
 )
 def attention_kernel(
     Q,
@@ -73,6 +96,31 @@ def attention_kernel(
     V_SCALE,
     tail_base,
     shares,
+    LQ,
+    LKV,
+    OQ,
+    OO,
+    OK,
+    OV,
+    OS,
+    IP,
+    LP,
+    max_q,
+    max_kv,
+    rows_q,
+    rows_o,
+    rows_k,
+    rows_v,
+    lse_numel,
+    table_width,
+    table_stride,
+    num_indices,
+    unit_q,
+    unit_o,
+    unit_k,
+    unit_v,
+    unit_s,
+    lse_b_stride,
     GROUP: gl.constexpr,
     PAGE_SIZE: gl.constexpr,
     DQK: gl.constexpr,
@@ -100,6 +148,11 @@ def attention_kernel(
     K_SCALED: gl.constexpr,
     V_SCALED: gl.constexpr,
     SPLIT: gl.constexpr,
+    VECTORS: gl.constexpr,
+    CSR: gl.constexpr,
+    HAS_OO: gl.constexpr,
+    HAS_OV: gl.constexpr,
+    LSE_MODE: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each; the kernel's own
@@ -107,7 +160,9 @@ def attention_kernel(
     items are dealt to a persistent grid (see :class:`Schedule`), those from ``tail_base`` on as
     ``shares`` pieces each; COUNTER is the stream's work counter (``dynamic``: zero at the launch,
     and zero again when it ends), or the backend's scratch, where the pieces' partials lie (from
-    float32 element 64 on)."""
+    float32 element 64 on). ``VECTORS``: each sequence's lengths and starts come from the device
+    vectors LQ .. LP under the bounds after them (see :class:`.rows.SequenceRows`; the modes CSR,
+    HAS_OO, HAS_OV, LSE_MODE), not from META; without it those arguments are None."""
     geo = Geometry(
         GROUP,
         PAGE_SIZE,
@@ -223,10 +278,44 @@ def attention_kernel(
     tail_base_t = gl.to_tensor(tail_base)
     shares_t = gl.to_tensor(shares)
     total = tail_base_t + (n_bh * num_m_blocks - tail_base_t) * shares_t
-    sched = Schedule(
+    rows = sequence_rows(
         META,
+        meta_stride,
+        LQ,
+        LKV,
+        OQ,
+        OO,
+        OK,
+        OV,
+        OS,
+        IP,
+        LP,
+        max_q,
+        max_kv,
+        rows_q,
+        rows_o,
+        rows_k,
+        rows_v,
+        lse_numel,
+        table_width,
+        table_stride,
+        num_indices,
+        unit_q,
+        unit_o,
+        unit_k,
+        unit_v,
+        unit_s,
+        num_heads_q,
+        lse_b_stride,
+        VECTORS,
+        CSR,
+        HAS_OO,
+        HAS_OV,
+        LSE_MODE,
+    )
+    sched = Schedule(
+        rows,
         BT,
-        gl.to_tensor(meta_stride),
         gl.to_tensor(num_kv_heads),
         n_bh,
         gl.to_tensor(num_m_blocks),

@@ -14,6 +14,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.language.core import _aggregate as aggregate
 
 from .geometry import Geometry, WorkItem, _key_range
+from .rows import SequenceRows
 
 ITEM_RING = gl.constexpr(4)  # work items the load warps may hand out ahead (dynamic scheduling)
 
@@ -22,9 +23,8 @@ ITEM_RING = gl.constexpr(4)  # work items the load warps may hand out ahead (dyn
 class Schedule:
     """The work items of one launch and how a program gets its next one."""
 
-    META: gl.tensor
+    rows: SequenceRows  # where each sequence's lengths and starts come from
     BT: gl.tensor  # page ids (paged): sequence b's start at metadata row bt_start
-    meta_stride: gl.tensor
     num_kv_heads: gl.tensor
     n_bh: gl.tensor  # (sequence, KV head) pairs
     num_m_blocks: gl.tensor
@@ -43,9 +43,8 @@ class Schedule:
     @gluon.constexpr_function
     def __init__(
         self,
-        META,
+        rows,
         BT,
-        meta_stride,
         num_kv_heads,
         n_bh,
         num_m_blocks,
@@ -61,9 +60,8 @@ class Schedule:
         shares,
         part,
     ):
-        self.META = META
+        self.rows = rows
         self.BT = BT
-        self.meta_stride = meta_stride
         self.num_kv_heads = num_kv_heads
         self.n_bh = n_bh
         self.num_m_blocks = num_m_blocks
@@ -151,7 +149,7 @@ class Schedule:
         tail = gl.where(is_share, (item - self.tail_base) // self.shares, 0)
         share = gl.where(is_share, item - self.tail_base - tail * self.shares, -1)
         item = gl.where(is_share, self.tail_base + tail, item)
-        item = gl.minimum(item, n_items - 1)  # (so that b < batch size: META is read unmasked)
+        item = gl.minimum(item, n_items - 1)  # (so that b < batch size: its rows are read unmasked)
         # chunks of `chunk` pairs, one after the other; in a chunk, row blocks heaviest first (z),
         # then pairs: items running at once share their pairs' K/V in L2
         k = item // (self.chunk * self.num_m_blocks)
@@ -162,23 +160,13 @@ class Schedule:
         b = rem // self.num_kv_heads
         kv_head = rem - b * self.num_kv_heads
         row0 = (self.num_m_blocks - 1 - z) * geo.BLOCK_M
-        META = self.META
-        meta_stride = self.meta_stride
-        q_len = gl.where(valid, gl.load(META + b), 0)
-        kv_len = gl.load(META + meta_stride + b)
-        q_start = gl.load(META + 2 * meta_stride + b)
-        o_start = gl.load(META + 3 * meta_stride + b)
-        lse_start = q_len * 0
-        if WITH_LSE:
-            lse_start = gl.load(META + 6 * meta_stride + b)
+        rows = self.rows.of(b, geo.PAGE_SIZE, WITH_LSE)
+        q_len, kv_len, q_start, o_start, k_start, v_start, lse_start, bt_start = rows
+        q_len = gl.where(valid, q_len, 0)
         if geo.PAGE_SIZE > 0:
-            BT_row = self.BT + gl.load(META + 7 * meta_stride + b).to(gl.int64)
-            k_start = q_len * 0
-            v_start = q_len * 0
+            BT_row = self.BT + bt_start.to(gl.int64)
         else:
             BT_row = self.BT
-            k_start = gl.load(META + 4 * meta_stride + b)
-            v_start = gl.load(META + 5 * meta_stride + b)
         hi, n_tiles, full = _key_range(row0, q_len, kv_len, geo.BLOCK_M, geo)
         t0 = gl.where(is_share, share * n_tiles // self.shares, 0)
         n_tiles = gl.where(is_share, (share + 1) * n_tiles // self.shares, n_tiles)
