@@ -1243,12 +1243,14 @@ def _rows_probe_kernel():
 
     @gluon.jit
     def probe(OUT, n, META, LQ, LKV, OQ, OO, OK, OV, OS, IP, LP, max_q, max_kv, rows_q, rows_o, rows_k, rows_v,
-              lse_numel, table_width, table_stride, num_indices, unit_q, unit_o, unit_k, unit_v, unit_s, num_heads,
-              lse_b_stride, PAGE_SIZE: gl.constexpr, VECTORS: gl.constexpr, CSR: gl.constexpr,
-              HAS_OO: gl.constexpr, HAS_OV: gl.constexpr, LSE_MODE: gl.constexpr):  # fmt: skip
+              lse_rows, table_width, table_stride, num_indices, num_heads, lse_b_stride, PAGE_SIZE: gl.constexpr,
+              VECTORS: gl.constexpr, CSR: gl.constexpr, HAS_OO: gl.constexpr, HAS_OV: gl.constexpr,
+              LSE_MODE: gl.constexpr, UNIT_Q: gl.constexpr, UNIT_O: gl.constexpr, UNIT_K: gl.constexpr,
+              UNIT_V: gl.constexpr, UNIT_S: gl.constexpr):  # fmt: skip
         rows = sequence_rows(META, n, LQ, LKV, OQ, OO, OK, OV, OS, IP, LP, max_q, max_kv, rows_q, rows_o, rows_k,
-                             rows_v, lse_numel, table_width, table_stride, num_indices, unit_q, unit_o, unit_k, unit_v,
-                             unit_s, num_heads, lse_b_stride, VECTORS, CSR, HAS_OO, HAS_OV, LSE_MODE)  # fmt: skip
+                             rows_v, lse_rows, table_width, table_stride, num_indices, num_heads, lse_b_stride,
+                             VECTORS, CSR, HAS_OO, HAS_OV, LSE_MODE, UNIT_Q, UNIT_O, UNIT_K, UNIT_V,
+                             UNIT_S)  # fmt: skip
         for b in range(n):
             r = rows.of(b, PAGE_SIZE, True)
             for i in gl.static_range(8):

@@ -524,11 +524,10 @@ def vector_args(bd: Bounds, vecs: DeviceVectors) -> tuple[tuple, dict] | None:
         bd.rows_o,
         bd.rows_k,
         bd.rows_v,
-        bd.lse_numel,
+        bd.lse_numel // max(bd.num_heads, 1),
         bd.table_width,
         bd.table_stride,
         bd.num_indices,
-        *(u[n] for n in ("q", "o", "k", "v", "stats")),
         bd.max_q * bd.num_heads,
     )
     modes = dict(
@@ -537,6 +536,7 @@ def vector_args(bd: Bounds, vecs: DeviceVectors) -> tuple[tuple, dict] | None:
         HAS_OO="o" in offs,
         HAS_OV=bd.pages == 0 and "v" in offs,
         LSE_MODE=bd.lse_mode,
+        **{f"UNIT_{n.upper()[0]}": u[n] for n in ("q", "o", "k", "v", "stats")},
     )
     return ints, modes
 
@@ -565,7 +565,9 @@ def _spec_key(a: object) -> object:
 DESC_ARGS = slice(27, 32)  # k_desc, k1_desc, v_desc, v1_desc, q_desc in the kernel's arguments
 # the kernel reading the metadata table: its vector arguments and their bounds None, its modes off
 _NO_VECTORS = (None,) * (len(hk.VECTOR_ARGS) + len(hk.BOUND_ARGS)) if hk is not None else ()
-_TABLE_MODE = dict(VECTORS=False, CSR=False, HAS_OO=False, HAS_OV=False, LSE_MODE=0)
+_TABLE_MODE = dict(
+    VECTORS=False, CSR=False, HAS_OO=False, HAS_OV=False, LSE_MODE=0, UNIT_Q=1, UNIT_O=1, UNIT_K=1, UNIT_V=1, UNIT_S=1
+)
 
 
 @functools.cache

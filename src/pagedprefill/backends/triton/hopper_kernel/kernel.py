@@ -23,15 +23,10 @@ BOUND_ARGS = (
     "rows_o",
     "rows_k",
     "rows_v",
-    "lse_numel",
+    "lse_rows",
     "table_width",
     "table_stride",
     "num_indices",
-    "unit_q",
-    "unit_o",
-    "unit_k",
-    "unit_v",
-    "unit_s",
     "lse_b_stride",
 )
 
@@ -111,15 +106,10 @@ def attention_kernel(
     rows_o,
     rows_k,
     rows_v,
-    lse_numel,
+    lse_rows,
     table_width,
     table_stride,
     num_indices,
-    unit_q,
-    unit_o,
-    unit_k,
-    unit_v,
-    unit_s,
     lse_b_stride,
     GROUP: gl.constexpr,
     PAGE_SIZE: gl.constexpr,
@@ -153,6 +143,11 @@ def attention_kernel(
     HAS_OO: gl.constexpr,
     HAS_OV: gl.constexpr,
     LSE_MODE: gl.constexpr,
+    UNIT_Q: gl.constexpr,
+    UNIT_O: gl.constexpr,
+    UNIT_K: gl.constexpr,
+    UNIT_V: gl.constexpr,
+    UNIT_S: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each; the kernel's own
@@ -162,7 +157,7 @@ def attention_kernel(
     and zero again when it ends), or the backend's scratch, where the pieces' partials lie (from
     float32 element 64 on). ``VECTORS``: each sequence's lengths and starts come from the device
     vectors LQ .. LP under the bounds after them (see :class:`.rows.SequenceRows`; the modes CSR,
-    HAS_OO, HAS_OV, LSE_MODE), not from META; without it those arguments are None."""
+    HAS_OO, HAS_OV, LSE_MODE and the offsets' units UNIT_*), not from META; without it those arguments are None."""
     geo = Geometry(
         GROUP,
         PAGE_SIZE,
@@ -296,15 +291,10 @@ def attention_kernel(
         rows_o,
         rows_k,
         rows_v,
-        lse_numel,
+        lse_rows,
         table_width,
         table_stride,
         num_indices,
-        unit_q,
-        unit_o,
-        unit_k,
-        unit_v,
-        unit_s,
         num_heads_q,
         lse_b_stride,
         VECTORS,
@@ -312,6 +302,11 @@ def attention_kernel(
         HAS_OO,
         HAS_OV,
         LSE_MODE,
+        UNIT_Q,
+        UNIT_O,
+        UNIT_K,
+        UNIT_V,
+        UNIT_S,
     )
     sched = Schedule(
         rows,

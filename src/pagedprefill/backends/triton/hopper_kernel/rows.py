@@ -4,7 +4,9 @@ kernel exactly as :func:`pagedprefill.kernels.metadata.device_table_torch` defin
 second way needs no table launch before the kernel: a run with device lengths is one launch.
 
 Only starts that need no prefix sum are read this way: the q offsets always, and ragged K's
-offsets (the host side, :meth:`..hopper.HopperPlan.take_vectors`, keeps the table otherwise)."""
+offsets (the host side, :func:`..hopper.vector_args`, keeps the table otherwise). The offsets'
+units are constexprs, so that no work item divides by a runtime value; 32-bit vectors stay in
+32-bit arithmetic where no product can overflow it."""
 
 # (no ``from __future__ import annotations``: Gluon aggregates check their fields' annotations)
 
@@ -24,7 +26,7 @@ class SequenceRows:
     meta_stride: gl.tensor
     LQ: gl.tensor  # VECTORS: lens_q (B,)
     LKV: gl.tensor  # lens_kv (B,) (not CSR)
-    OQ: gl.tensor  # batch_offsets_q (B + 1,), in units of unit_q elements
+    OQ: gl.tensor  # batch_offsets_q (B + 1,), in units of UNIT_Q elements
     OO: gl.tensor  # batch_offsets_o (HAS_OO; else q's)
     OK: gl.tensor  # batch_offsets_k (ragged)
     OV: gl.tensor  # batch_offsets_v (ragged, HAS_OV; else k's)
@@ -37,15 +39,10 @@ class SequenceRows:
     rows_o: gl.tensor
     rows_k: gl.tensor
     rows_v: gl.tensor
-    lse_numel: gl.tensor
+    lse_rows: gl.tensor  # LSE_MODE 2: rows of Hq entries in the flat LSE
     table_width: gl.tensor  # block table: page ids per sequence, and its row stride
     table_stride: gl.tensor
     num_indices: gl.tensor  # CSR: entries of kv_indices
-    unit_q: gl.tensor  # elements per token of each offset (1 with token offsets)
-    unit_o: gl.tensor
-    unit_k: gl.tensor
-    unit_v: gl.tensor
-    unit_s: gl.tensor
     num_heads: gl.tensor
     lse_b_stride: gl.tensor  # LSE_MODE 1: max_q * Hq
     VECTORS: gl.constexpr
@@ -53,6 +50,11 @@ class SequenceRows:
     HAS_OO: gl.constexpr
     HAS_OV: gl.constexpr
     LSE_MODE: gl.constexpr  # 0 none, 1 padded (B, max_q, Hq), 2 packed at batch_offsets_stats
+    UNIT_Q: gl.constexpr  # elements per token of each offset (1 with token offsets)
+    UNIT_O: gl.constexpr
+    UNIT_K: gl.constexpr
+    UNIT_V: gl.constexpr
+    UNIT_S: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(
@@ -74,15 +76,10 @@ class SequenceRows:
         rows_o,
         rows_k,
         rows_v,
-        lse_numel,
+        lse_rows,
         table_width,
         table_stride,
         num_indices,
-        unit_q,
-        unit_o,
-        unit_k,
-        unit_v,
-        unit_s,
         num_heads,
         lse_b_stride,
         VECTORS,
@@ -90,6 +87,11 @@ class SequenceRows:
         HAS_OO,
         HAS_OV,
         LSE_MODE,
+        UNIT_Q,
+        UNIT_O,
+        UNIT_K,
+        UNIT_V,
+        UNIT_S,
     ):
         self.META = META
         self.meta_stride = meta_stride
@@ -108,15 +110,10 @@ class SequenceRows:
         self.rows_o = rows_o
         self.rows_k = rows_k
         self.rows_v = rows_v
-        self.lse_numel = lse_numel
+        self.lse_rows = lse_rows
         self.table_width = table_width
         self.table_stride = table_stride
         self.num_indices = num_indices
-        self.unit_q = unit_q
-        self.unit_o = unit_o
-        self.unit_k = unit_k
-        self.unit_v = unit_v
-        self.unit_s = unit_s
         self.num_heads = num_heads
         self.lse_b_stride = lse_b_stride
         self.VECTORS = gl.constexpr(VECTORS)
@@ -124,6 +121,11 @@ class SequenceRows:
         self.HAS_OO = gl.constexpr(HAS_OO)
         self.HAS_OV = gl.constexpr(HAS_OV)
         self.LSE_MODE = gl.constexpr(LSE_MODE)
+        self.UNIT_Q = gl.constexpr(UNIT_Q)
+        self.UNIT_O = gl.constexpr(UNIT_O)
+        self.UNIT_K = gl.constexpr(UNIT_K)
+        self.UNIT_V = gl.constexpr(UNIT_V)
+        self.UNIT_S = gl.constexpr(UNIT_S)
 
     @gluon.jit
     def of(self, b, PAGE_SIZE: gl.constexpr, WITH_LSE: gl.constexpr):
@@ -160,20 +162,19 @@ class SequenceRows:
 
     @gluon.jit
     def _from_vectors(self, b, PAGE_SIZE: gl.constexpr):
-        lq = _clamp(gl.load(self.LQ + b).to(gl.int64), 0, self.max_q)
-        if self.CSR:
+        lq = _bounded(gl.load(self.LQ + b), self.max_q)
+        if self.CSR:  # (in 64 bits: a pointer difference of garbage may overflow 32)
             p0 = gl.load(self.IP + b).to(gl.int64)
             n = gl.maximum(gl.load(self.IP + b + 1).to(gl.int64) - p0, 0)
-            last = _clamp(gl.load(self.LP + b).to(gl.int64), 1, PAGE_SIZE)
-            lkv = gl.where(n > 0, (n - 1) * PAGE_SIZE + last, 0)
+            last = gl.minimum(gl.maximum(gl.load(self.LP + b).to(gl.int64), 1), PAGE_SIZE)
+            lkv = gl.minimum(gl.where(n > 0, (n - 1) * PAGE_SIZE + last, 0), self.max_kv).to(gl.int32)
         else:
-            p0 = lq * 0
-            lkv = gl.load(self.LKV + b).to(gl.int64)
-        lkv = _clamp(lkv, 0, self.max_kv)
-        qs = _start(self.OQ, b, self.unit_q)
+            p0 = b.to(gl.int64) * 0
+            lkv = _bounded(gl.load(self.LKV + b), self.max_kv)
+        qs = _start(self.OQ, b, self.UNIT_Q)
         os = qs
         if self.HAS_OO:
-            os = _start(self.OO, b, self.unit_o)
+            os = _start(self.OO, b, self.UNIT_O)
         lq = gl.minimum(lq, gl.maximum(self.rows_q - qs, 0))
         lq = gl.minimum(lq, gl.maximum(self.rows_o - os, 0))
         zero = lq * 0
@@ -181,26 +182,29 @@ class SequenceRows:
             ks = zero
             vs = zero
             if self.CSR:
-                bs = _clamp(p0, 0, self.num_indices)
-                lkv = gl.minimum(lkv, (self.num_indices - bs) * PAGE_SIZE)
+                bs64 = gl.minimum(gl.maximum(p0, 0), self.num_indices)
+                lkv = gl.minimum(lkv.to(gl.int64), (self.num_indices - bs64) * PAGE_SIZE).to(gl.int32)
             else:
-                lkv = gl.minimum(lkv, self.table_width.to(gl.int64) * PAGE_SIZE)
-                bs = b.to(gl.int64) * self.table_stride
+                lkv = gl.minimum(lkv.to(gl.int64), self.table_width.to(gl.int64) * PAGE_SIZE).to(gl.int32)
+                bs64 = b.to(gl.int64) * self.table_stride
+            bs = gl.minimum(bs64, INT32_BIG).to(gl.int32)
         else:
-            ks = _start(self.OK, b, self.unit_k)
+            ks = _start(self.OK, b, self.UNIT_K)
             vs = ks
             if self.HAS_OV:
-                vs = _start(self.OV, b, self.unit_v)
+                vs = _start(self.OV, b, self.UNIT_V)
             lkv = gl.minimum(lkv, gl.maximum(self.rows_k - ks, 0))
             lkv = gl.minimum(lkv, gl.maximum(self.rows_v - vs, 0))
             bs = zero
         ls = zero
         if self.LSE_MODE == 1:
-            ls = b.to(gl.int64) * self.lse_b_stride
+            ls = gl.minimum(b.to(gl.int64) * self.lse_b_stride, INT32_BIG).to(gl.int32)
         elif self.LSE_MODE == 2:
-            ls = _start(self.OS, b, self.unit_s) * self.num_heads
-            lq = gl.minimum(lq, gl.maximum((self.lse_numel - ls) // self.num_heads, 0))
-        return _i32(lq), _i32(lkv), _i32(qs), _i32(os), _i32(ks), _i32(vs), _i32(ls), _i32(bs)
+            s = _start(self.OS, b, self.UNIT_S)
+            # (the rows of Hq entries from s on: (lse_numel - s Hq) // Hq, which is lse_rows - s)
+            lq = gl.minimum(lq, gl.maximum(self.lse_rows - s, 0))
+            ls = gl.minimum(s.to(gl.int64) * self.num_heads, INT32_BIG).to(gl.int32)
+        return lq, lkv, qs, os, ks, vs, ls, bs
 
 
 @gluon.jit
@@ -222,15 +226,10 @@ def sequence_rows(
     rows_o,
     rows_k,
     rows_v,
-    lse_numel,
+    lse_rows,
     table_width,
     table_stride,
     num_indices,
-    unit_q,
-    unit_o,
-    unit_k,
-    unit_v,
-    unit_s,
     num_heads,
     lse_b_stride,
     VECTORS: gl.constexpr,
@@ -238,6 +237,11 @@ def sequence_rows(
     HAS_OO: gl.constexpr,
     HAS_OV: gl.constexpr,
     LSE_MODE: gl.constexpr,
+    UNIT_Q: gl.constexpr,
+    UNIT_O: gl.constexpr,
+    UNIT_K: gl.constexpr,
+    UNIT_V: gl.constexpr,
+    UNIT_S: gl.constexpr,
 ):
     """The kernel's :class:`SequenceRows`: without ``VECTORS`` the vectors and bounds (None) stand in as
     the table and 0."""
@@ -261,15 +265,10 @@ def sequence_rows(
             gl.to_tensor(rows_o),
             gl.to_tensor(rows_k),
             gl.to_tensor(rows_v),
-            gl.to_tensor(lse_numel),
+            gl.to_tensor(lse_rows),
             gl.to_tensor(table_width),
             gl.to_tensor(table_stride),
             gl.to_tensor(num_indices),
-            gl.to_tensor(unit_q),
-            gl.to_tensor(unit_o),
-            gl.to_tensor(unit_k),
-            gl.to_tensor(unit_v),
-            gl.to_tensor(unit_s),
             gl.to_tensor(num_heads),
             gl.to_tensor(lse_b_stride),
             VECTORS,
@@ -277,6 +276,11 @@ def sequence_rows(
             HAS_OO,
             HAS_OV,
             LSE_MODE,
+            UNIT_Q,
+            UNIT_O,
+            UNIT_K,
+            UNIT_V,
+            UNIT_S,
         )
     else:
         z = ms * 0
@@ -304,32 +308,39 @@ def sequence_rows(
             z,
             z,
             z,
-            z,
-            z,
-            z,
-            z,
-            z,
             VECTORS,
             CSR,
             HAS_OO,
             HAS_OV,
             LSE_MODE,
+            UNIT_Q,
+            UNIT_O,
+            UNIT_K,
+            UNIT_V,
+            UNIT_S,
         )
     return rows
 
 
 @gluon.jit
-def _clamp(x, lo, hi):
-    return gl.minimum(gl.maximum(x, lo), hi)
+def _bounded(x, hi):
+    """A length read from a vector, clamped to [0, hi] (int32)."""
+    x = gl.maximum(x, 0)
+    if x.dtype == gl.int64:
+        x = gl.minimum(x, hi.to(gl.int64)).to(gl.int32)
+    else:
+        x = gl.minimum(x, hi)
+    return x
 
 
 @gluon.jit
-def _start(OFF, b, unit):
-    """Offset b of OFF in tokens, clamped to [0, 2^31 - 1] (a negative one truncates towards 0, as
-    the table's floor does after its clamp)."""
-    return _clamp(gl.load(OFF + b).to(gl.int64) // unit, 0, INT32_BIG)
-
-
-@gluon.jit
-def _i32(x):
-    return gl.minimum(x, INT32_BIG).to(gl.int32)
+def _start(OFF, b, UNIT: gl.constexpr):
+    """Offset b of OFF in tokens, clamped to [0, 2^31 - 1] (int32; a negative offset truncates towards
+    0 where the table floors it: both clamp to 0)."""
+    x = gl.load(OFF + b)
+    if UNIT > 1:
+        x = x // UNIT
+    x = gl.maximum(x, 0)
+    if x.dtype == gl.int64:
+        x = gl.minimum(x, INT32_BIG).to(gl.int32)
+    return x
