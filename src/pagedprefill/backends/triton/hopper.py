@@ -616,8 +616,10 @@ class HopperPlan:
         self._bind_tried = False
         self._descs_present: tuple = ()
         self._vector_mode: tuple | None = None  # (take_vectors) the kernel's bounds and modes
-        if not cfg.dynamic and not batch.has_sinks and batch.device.type == "cuda" and workspace_bytes != 0:
-            self._warm_merge()  # (a later call of this shape with other lengths may split)
+        if not batch.has_sinks and batch.device.type == "cuda" and workspace_bytes != 0:
+            # (a later call of this shape with other lengths may take static rounds and split, even where
+            # this one runs off the work counter)
+            self._warm_merge()
 
     def take_vectors(self, bd: Bounds, vecs: DeviceVectors) -> bool:
         """Whether the kernel reads this layout's device lengths and offsets itself, so that a run
