@@ -573,6 +573,76 @@ def test_q_tma_only_where_its_boxes_fit():
 # sm_90 compile without a GPU
 # --------------------------------------------------------------------------------------------
 
+
+def _vectors_and_bounds(pages: int, offsets: tuple, lse_mode: int = 1, dtype=torch.int32):
+    from pagedprefill.batch import DeviceVectors
+    from pagedprefill.kernels.metadata import Bounds
+
+    bsz = 5
+    vec = torch.arange(bsz + 1, dtype=dtype)
+    offs = {n: vec.clone() for n in offsets}
+    vecs = DeviceVectors(
+        vec[:bsz].clone(),
+        None if pages == 2 else vec[:bsz].clone(),
+        offs,
+        vec.clone() if pages == 2 else None,
+        vec[:bsz].clone() if pages == 2 else None,
+        "tokens",
+    )
+    units = dict(q=512, o=512, k=128, v=128, stats=8)
+    rows_kv = (0, 0) if pages else (900, 800)
+    bd = Bounds(40, 300, 700, 650, *rows_kv, 8 * 650, lse_mode, pages, 6, 8, 90, 16, 8, units)
+    return vecs, bd
+
+
+@pytest.mark.parametrize(
+    "pages, offsets, lse_mode, takes",
+    [
+        (0, ("q", "k"), 1, True),  # ragged: q's and K's starts given
+        (0, ("q", "o", "k", "v"), 0, True),
+        (0, ("q",), 1, False),  # K's starts would need a prefix sum
+        (1, ("q",), 1, True),  # block table: page lists by row
+        (1, (), 1, False),  # q's starts would need a prefix sum
+        (2, ("q",), 2, False),  # packed LSE without its offsets
+        (2, ("q", "stats"), 2, True),
+    ],
+)
+def test_the_kernel_takes_device_vectors_only_without_prefix_sums(pages, offsets, lse_mode, takes):
+    """The Hopper kernel reads device vectors in place of the metadata table only where every start is
+    an offset given (its rows have no prefix sum); then its bounds follow the table's clamps, the
+    packed LSE's row bound in rows of Hq, and the offsets' units arrive as constexprs."""
+    vecs, bd = _vectors_and_bounds(pages, offsets, lse_mode)
+    got = hp.vector_args(bd, vecs)
+    assert (got is not None) == takes
+    if not takes:
+        return
+    ints, modes = got
+    assert len(ints) == len(hp.hk.BOUND_ARGS) and len(hp.vector_tensors(vecs)) == len(hp.hk.VECTOR_ARGS)
+    named = dict(zip(hp.hk.BOUND_ARGS, ints))
+    assert (named["max_q"], named["max_kv"], named["rows_q"], named["rows_o"]) == (40, 300, 700, 650)
+    assert named["lse_rows"] == 650 and named["lse_b_stride"] == 40 * 8
+    assert modes["CSR"] == (pages == 2) and modes["HAS_OO"] == ("o" in offsets) and modes["LSE_MODE"] == lse_mode
+    assert modes["HAS_OV"] == (pages == 0 and "v" in offsets)
+    assert (modes["UNIT_Q"], modes["UNIT_K"], modes["UNIT_S"]) == (512, 128, 8)
+    # (absent vectors stand in as lens_q; present ones in VECTOR_ARGS order)
+    tensors = dict(zip(hp.hk.VECTOR_ARGS, hp.vector_tensors(vecs)))
+    assert tensors["OQ"] is vecs.offsets["q"] and tensors["LQ"] is vecs.lens_q
+    assert tensors["OO"] is vecs.offsets.get("o", vecs.lens_q)
+    assert tensors["IP"] is (vecs.kv_indptr if pages == 2 else vecs.lens_q)
+
+
+def test_the_kernel_takes_only_dense_integer_vectors():
+    """A strided or non-integer vector keeps the metadata table (the kernel reads each vector at
+    element b, 32- or 64-bit)."""
+    vecs, bd = _vectors_and_bounds(0, ("q", "k"))
+    assert hp.vector_args(bd, vecs) is not None
+    assert hp.vector_args(*_vectors_and_bounds(0, ("q", "k"), dtype=torch.int64)[::-1]) is not None
+    vecs.offsets["k"] = torch.arange(12, dtype=torch.int32)[::2]
+    assert hp.vector_args(bd, vecs) is None
+    vecs, bd = _vectors_and_bounds(0, ("q", "k"), dtype=torch.int16)
+    assert hp.vector_args(bd, vecs) is None
+
+
 _AOT = textwrap.dedent(
     """
     import re, subprocess, sys
