@@ -257,14 +257,20 @@ else:
     _metadata_kernel = None
 
 
-def launch_tensors(lens_q, lens_kv, offsets, indptr, last, meta: Tensor) -> tuple:
-    """The table launch's tensor arguments in order (absent ones stand in as another tensor): what a
-    :class:`~pagedprefill.kernels.launch.LaunchSlot` bound to it takes."""
+def vector_tensors(lens_q, lens_kv, offsets, indptr, last) -> tuple:
+    """The device vectors in the order a kernel takes them: lens_q, lens_kv, the q / o / k / v / stats
+    offsets, kv_indptr, kv_last_page_len (an absent one stands in as lens_q)."""
     vecs = [offsets.get(k) if offsets.get(k) is not None else lens_q for k in ("q", "o", "k", "v", "stats")]
     lkv = lens_kv if lens_kv is not None else lens_q
     ip = indptr if indptr is not None else lens_q
     lp = last if last is not None else lens_q
-    return (meta, lens_q, lkv, *vecs, ip, lp)
+    return (lens_q, lkv, *vecs, ip, lp)
+
+
+def launch_tensors(lens_q, lens_kv, offsets, indptr, last, meta: Tensor) -> tuple:
+    """The table launch's tensor arguments in order (:func:`vector_tensors` after the table): what a
+    :class:`~pagedprefill.kernels.launch.LaunchSlot` bound to it takes."""
+    return (meta, *vector_tensors(lens_q, lens_kv, offsets, indptr, last))
 
 
 def device_table_triton(

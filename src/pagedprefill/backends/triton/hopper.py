@@ -10,6 +10,7 @@ import torch
 
 from pagedprefill import tuning
 from pagedprefill.batch import CallTensors, DeviceVectors, PrefillBatch
+from pagedprefill.kernels import metadata
 from pagedprefill.kernels.launch import INTERPRETED, LaunchSlot, bind, fast_launch
 from pagedprefill.kernels.metadata import Bounds
 
@@ -542,10 +543,9 @@ def vector_args(bd: Bounds, vecs: DeviceVectors) -> tuple[tuple, dict] | None:
 
 
 def vector_tensors(vecs: DeviceVectors) -> tuple:
-    """The kernel's vector arguments ``hopper_kernel.VECTOR_ARGS`` (an absent one stands in as lens_q)."""
-    lq, offs = vecs.lens_q, vecs.offsets
-    pick = (vecs.lens_kv, offs.get("q"), offs.get("o"), offs.get("k"), offs.get("v"), offs.get("stats"))
-    return (lq, *(lq if x is None else x for x in (*pick, vecs.kv_indptr, vecs.kv_last_page_len)))
+    """The kernel's vector arguments ``hopper_kernel.VECTOR_ARGS``, in the device table launch's order
+    (an absent one stands in as lens_q)."""
+    return metadata.vector_tensors(vecs.lens_q, vecs.lens_kv, vecs.offsets, vecs.kv_indptr, vecs.kv_last_page_len)
 
 
 _WARM_MERGES: set = set()  # the merge's compiled constants (see HopperPlan._warm_merge)
