@@ -24,11 +24,11 @@ __all__ = [
     "plan",
 ]
 
-_SCALAR_TYPES: tuple = (bool, int, float, str, type(None), torch.dtype)
+_SCALAR_TYPES: frozenset = frozenset((bool, int, float, str, type(None), torch.dtype))
 try:  # (numpy's scalars, as lengths and scales computed with numpy arrive: their calls are cached too)
     import numpy as _np
 
-    _SCALAR_TYPES += (_np.int32, _np.int64, _np.float32, _np.float64)
+    _SCALAR_TYPES |= {_np.int32, _np.int64, _np.float32, _np.float64}
 except ImportError:
     pass
 
@@ -124,12 +124,14 @@ def cudnn_batch_prefill_with_kv_cache(
         logits_soft_cap,
     )
     key = None
-    if all(type(x) in _SCALAR_TYPES for x in scalars):
+    types = tuple(map(type, scalars))
+    if _SCALAR_TYPES.issuperset(types):
         key = plan_cache.signature(
             (q, k_cache, v_cache, out, lse, workspace_buffer, block_tables, sinks),
             (actual_seq_lens_q, actual_seq_lens_kv, *offsets),
             scales,
             scalars,
+            types,
         )
     hit = plan_cache.get(key)
     if hit is None:
@@ -161,7 +163,9 @@ def cudnn_batch_prefill_with_kv_cache(
         plan_cache.put(key, (p, lp))
     else:
         p, lp = hit
-        ws = workspace_buffer.view(-1).view(torch.uint8) if workspace_buffer.numel() else workspace_buffer
+        ws = workspace_buffer
+        if ws.dtype is not torch.uint8 or ws.dim() != 1:  # (the layout is the first call's: contiguous)
+            ws = ws.view(-1).view(torch.uint8) if ws.numel() else ws
     if p.seq.host is None:
         vectors = _call_vectors(p.vectors, actual_seq_lens_q, actual_seq_lens_kv, offsets)
     else:
@@ -271,7 +275,7 @@ def _call_vectors(planned: DeviceVectors, lens_q, lens_kv, offsets) -> DeviceVec
     """This call's device lengths / offsets (a CPU one among them: the plan's device copy of it)."""
 
     def pick(t, mine):  # (mine: the plan's copy; a 1-D tensor as it is: reshape would make a new view)
-        if t is None or t.device.type == "cpu":
+        if t is None or t.is_cpu:
             return mine
         return t if t.dim() == 1 else t.reshape(-1)
 

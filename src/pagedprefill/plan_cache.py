@@ -28,7 +28,7 @@ def _layout(t: object) -> tuple | None:
         return ()
     if not isinstance(t, Tensor):
         return None
-    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15 == 0)
 
 
 def _vector(t: object) -> tuple | None:
@@ -37,9 +37,8 @@ def _vector(t: object) -> tuple | None:
         return ()
     if not isinstance(t, Tensor):
         return None
-    dev = t.device
-    if dev.type != "cpu":
-        return ("dev", t.shape, t.stride(), t.dtype, dev)
+    if not t.is_cpu:
+        return ("dev", t.shape, t.stride(), t.dtype, t.device)
     if t.dim() not in (1, 4) or t.dtype not in (torch.int32, torch.int64):
         return None
     try:
@@ -54,24 +53,27 @@ def _scale(s: object) -> tuple | None:
         return ()
     if type(s) in (float, int):
         return ("v", s)
-    if isinstance(s, Tensor) and s.device.type != "cpu":
+    if isinstance(s, Tensor) and not s.is_cpu:
         return _layout(s)
     return None
 
 
-def signature(tensors: tuple, vectors: tuple, scales: tuple, scalars: tuple) -> tuple | None:
+def signature(tensors: tuple, vectors: tuple, scales: tuple, scalars: tuple, types: tuple) -> tuple | None:
     """The key of a call, or None when it must take the full path (an argument of an unexpected type,
-    or a CPU scale tensor)."""
-    parts = (
-        tuple([() if t is None else _layout(t) for t in tensors]),
-        tuple([() if t is None else _vector(t) for t in vectors]),
-        tuple([() if s is None else _scale(s) for s in scales]),
-    )
-    if None in parts[0] or None in parts[1] or None in parts[2]:
+    or a CPU scale tensor). ``types``: the scalars' types (with them, True == 1 == 1.0 never makes a
+    call whose causal is 1 take the plan of causal=True: it must be refused as the first such call was)."""
+    parts = [_layout(t) for t in tensors]
+    parts += [_vector(t) for t in vectors]
+    if scales[0] is None and scales[1] is None and scales[2] is None:
+        parts += _NO_SCALE_PARTS
+    else:
+        parts += [_scale(s) for s in scales]
+    if None in parts:
         return None
-    # (with the scalars' types: True == 1 == 1.0, and a call whose causal is 1 must be refused as
-    # the first such call was, not served by the plan of causal=True)
-    return (*parts, scalars, tuple(map(type, scalars)), threading.get_ident(), tuning.generation)
+    return (*parts, scalars, types, threading.get_ident(), tuning.generation)
+
+
+_NO_SCALE_PARTS = [(), (), ()]
 
 
 def get(key: tuple | None):

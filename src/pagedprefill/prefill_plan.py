@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from pagedprefill import dispatch, normalise, tuning, workspace
-from pagedprefill.batch import CallTensors, DeviceVectors, PrefillBatch, Sequences, fail
+from pagedprefill.batch import META_FIELDS, CallTensors, DeviceVectors, PrefillBatch, Sequences, fail
 from pagedprefill.kernels.launch import LaunchSlot
 
 
@@ -40,6 +40,7 @@ class LayerPlan:
         "table_launch",
         "table_tensors",
         "reads_vectors",
+        "stand_in",
     )
 
     def __init__(self, batch: PrefillBatch, backend, name: str, meta_bytes: int, out_shape, lse_shape, bounds, ret):
@@ -52,6 +53,7 @@ class LayerPlan:
         self.table_launch = LaunchSlot()  # the device table's launch, bound after its first one
         self.table_tensors = None  # (meta, its tensor arguments) for the plan's own workspace and vectors
         self.reads_vectors = False  # the backend reads the device vectors itself: no table is written
+        self.stand_in = None  # (reads_vectors) an int32 tensor of the layout's own, as the unread table
 
     def check_overlaps(self, tensors: tuple, names) -> None:
         """:func:`normalise.check_spans` for this layout's tensors (``names()`` gives their argument
@@ -96,14 +98,23 @@ def _scales_key(scales: tuple) -> object:
     return tuple(_layout_key(s) if s is None or isinstance(s, Tensor) else type(s) for s in scales)
 
 
-def _vector_tensors(vectors: DeviceVectors | None) -> tuple[tuple, tuple]:
-    """``(names, tensors)`` of the device vectors a run reads (for the overlap check)."""
+_VECTOR_NAMES = ("actual_seq_lens_q", "actual_seq_lens_kv", "kv_indptr", "kv_last_page_len")
+_OFFSET_ARGS = {n: f"batch_offsets_{n}" for n in normalise.OFFSET_NAMES}
+
+
+def _vector_tensors(vectors: DeviceVectors | None) -> tuple:
+    """The device vectors a run reads (for the overlap check), named by :func:`_vector_names`."""
     if vectors is None:
-        return (), ()
-    named = [("actual_seq_lens_q", vectors.lens_q), ("actual_seq_lens_kv", vectors.lens_kv)]
-    named += [("kv_indptr", vectors.kv_indptr), ("kv_last_page_len", vectors.kv_last_page_len)]
-    named += [(f"batch_offsets_{n}", t) for n, t in vectors.offsets.items()]
-    return tuple(n for n, _ in named), tuple(t for _, t in named)
+        return ()
+    v = vectors
+    return (v.lens_q, v.lens_kv, v.kv_indptr, v.kv_last_page_len, *v.offsets.values())
+
+
+def _vector_names(vectors: DeviceVectors | None) -> tuple:
+    """The argument names of :func:`_vector_tensors`, in its order."""
+    if vectors is None:
+        return ()
+    return _VECTOR_NAMES + tuple([_OFFSET_ARGS[n] for n in vectors.offsets])
 
 
 def _own_copy(t: Tensor) -> Tensor:
@@ -158,7 +169,7 @@ class PrefillPlan:
         self.default_return_lse = return_lse
         self.op_id = next(_IDS)
         PLANS[self.op_id] = self
-        self._vector_names, self._vector_tensors = _vector_tensors(vectors)
+        self._vector_tensors = _vector_tensors(vectors)
         # the plan's page ids when the kernels read them as they are (int32, on the device)
         self._pages_as_is = pages if pages is not None and workspace.pages_as_is(seq, pages, device) else None
         self.layers: dict[tuple, LayerPlan] = {}
@@ -260,6 +271,8 @@ class PrefillPlan:
         lp = LayerPlan(batch, bplan, module.NAME, meta_b, out_shape, lse_shape, bounds, return_lse)
         take = getattr(bplan, "take_vectors", None)  # (a backend that computes the table's rows itself)
         lp.reads_vectors = bounds is not None and take is not None and take(bounds, vectors or self.vectors)
+        if lp.reads_vectors:  # (no table to carve from the workspace at each run: the scratch is all of it)
+            lp.stand_in = torch.empty(len(META_FIELDS), dtype=torch.int32, device=batch.device)
         return lp
 
     # ----------------------------------------------------------------------------------------
@@ -298,10 +311,7 @@ class PrefillPlan:
                 normalise.number_scale(name, x)
         if sinks is not None and not sinks.is_contiguous():
             sinks = sinks.contiguous()  # (every backend reads the sinks as one contiguous row of Hq floats)
-        if vectors is self.vectors:
-            vec_names, vec_tensors = self._vector_names, self._vector_tensors
-        else:
-            vec_names, vec_tensors = _vector_tensors(vectors)
+        vec_tensors = self._vector_tensors if vectors is self.vectors else _vector_tensors(vectors)
         tensors = (q, k, v, out, lse_user, ws, pages, sinks, *vec_tensors)
         if scaled:
             tensors += tuple(s for s in scales if isinstance(s, Tensor))
@@ -310,7 +320,7 @@ class PrefillPlan:
             page_name = "block_tables" if self.seq.pages == "table" else "kv_indices"
             fixed = ("q", "k_cache", "v_cache", "out", "lse", "workspace_buffer", page_name, "sinks")
             sn = (n for n, s in zip(("q_scale", "k_scale", "v_scale"), scales) if isinstance(s, Tensor))
-            return fixed + vec_names + (tuple(sn) if scaled else ())
+            return fixed + _vector_names(vectors) + (tuple(sn) if scaled else ())
 
         lp.check_overlaps(tensors, names)
         if batch.empty:
@@ -319,7 +329,9 @@ class PrefillPlan:
         nested = workspace.acquire(ws)
         try:
             views = lp.views
-            if views is not None and views[0] is ws:  # (the plan's own workspace: carved once)
+            if lp.reads_vectors:  # (no table: the kernel's table argument is never read)
+                meta, scratch = lp.stand_in, ws
+            elif views is not None and views[0] is ws:  # (the plan's own workspace: carved once)
                 meta, scratch = views[1], views[2]
             else:
                 meta, scratch = workspace.carve(ws, batch.batch_size, batch.device_metadata)

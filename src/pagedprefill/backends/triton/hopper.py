@@ -544,8 +544,13 @@ def vector_args(bd: Bounds, vecs: DeviceVectors) -> tuple[tuple, dict] | None:
 
 def vector_tensors(vecs: DeviceVectors) -> tuple:
     """The kernel's vector arguments ``hopper_kernel.VECTOR_ARGS``, in the device table launch's order
-    (an absent one stands in as lens_q)."""
-    return metadata.vector_tensors(vecs.lens_q, vecs.lens_kv, vecs.offsets, vecs.kv_indptr, vecs.kv_last_page_len)
+    (an absent one stands in as lens_q); kept on ``vecs`` (a plan runs its own vectors at every layer,
+    and nothing rebinds a field of a DeviceVectors)."""
+    got = vecs.__dict__.get("_kernel_order")
+    if got is None:
+        got = metadata.vector_tensors(vecs.lens_q, vecs.lens_kv, vecs.offsets, vecs.kv_indptr, vecs.kv_last_page_len)
+        vecs.__dict__["_kernel_order"] = got
+    return got
 
 
 _WARM_MERGES: set = set()  # the merge's compiled constants (see HopperPlan._warm_merge)
