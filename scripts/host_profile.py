@@ -113,7 +113,7 @@ def breakdown(name: str, p, lb) -> None:
         print(f"  {name} {'cudnn run, no graph':24s} {burst_us(lambda: be.run(t)):7.2f} µs")
         be.execute = be_exec
         del rows["cudnn run, no graph"]
-    if getattr(lp, "bounds", None) is not None and p.vectors is not None:  # the device table alone
+    if getattr(lp, "bounds", None) is not None and p.vectors is not None and not lp.reads_vectors:  # the table alone
         from pagedprefill import workspace
 
         meta, slot = t.meta, lp.table_launch

@@ -189,7 +189,7 @@ class PrefillBatch(Sequences):
         return self.batch_size == 0 or self.work_q == 0
 
 
-@dataclass(frozen=True)
+@dataclass
 class DeviceVectors:
     """Lengths / offsets / CSR pointers that live on the device: the metadata is computed from them
     on the device at every run (kernels clamp every value)."""

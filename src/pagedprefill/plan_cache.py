@@ -62,7 +62,14 @@ def signature(tensors: tuple, vectors: tuple, scales: tuple, scalars: tuple, typ
     """The key of a call, or None when it must take the full path (an argument of an unexpected type,
     or a CPU scale tensor). ``types``: the scalars' types (with them, True == 1 == 1.0 never makes a
     call whose causal is 1 take the plan of causal=True: it must be refused as the first such call was)."""
-    parts = [_layout(t) for t in tensors]
+    parts = [
+        ()
+        if t is None
+        else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15 == 0)
+        if isinstance(t, Tensor)
+        else None
+        for t in tensors
+    ]  # (_layout, inlined: a call's eight tensors)
     parts += [_vector(t) for t in vectors]
     if scales[0] is None and scales[1] is None and scales[2] is None:
         parts += _NO_SCALE_PARTS

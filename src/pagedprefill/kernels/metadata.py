@@ -260,7 +260,8 @@ else:
 def vector_tensors(lens_q, lens_kv, offsets, indptr, last) -> tuple:
     """The device vectors in the order a kernel takes them: lens_q, lens_kv, the q / o / k / v / stats
     offsets, kv_indptr, kv_last_page_len (an absent one stands in as lens_q)."""
-    vecs = [offsets.get(k) if offsets.get(k) is not None else lens_q for k in ("q", "o", "k", "v", "stats")]
+    get = offsets.get
+    vecs = [lens_q if (t := get(k)) is None else t for k in ("q", "o", "k", "v", "stats")]
     lkv = lens_kv if lens_kv is not None else lens_q
     ip = indptr if indptr is not None else lens_q
     lp = last if last is not None else lens_q
