@@ -1303,6 +1303,32 @@ def test_gpu_random_grid_device_vectors(seed, monkeypatch):
     check(case, out, lse, atol=atol_for(case.kwargs["q"].dtype), lse_atol=2e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(1700, 1712))
+def test_gpu_device_vectors_with_shares(seed, monkeypatch):
+    """Device vectors read by the kernel (no table is carved: the scratch is the whole workspace) with
+    the last static round split into 2-4 shares whose float32 partials live in that scratch, on
+    persistent grids of 1-4 programs; the workspace, out and lse poisoned before each of two calls
+    (the second through the one-shot call's cache), against the float64 oracle."""
+    monkeypatch.setattr(hp, "_num_sms", lambda device, n=1 + seed % 4: n)
+    params = hopper_params(seed)
+    params.update(lens_on_device=True, offsets=("elements", "tokens")[seed % 2], workspace_bytes=64 << 20)
+    knobs = dict(dynamic=0, shares=2 + seed % 3)
+    case = make_case(seed, **params)
+    with tuning.override("triton", num_splits=1), tuning.override("hopper", **knobs):
+        lp = planned(case, "triton")[1]
+    if type(lp.backend).__name__ != "HopperPlan":
+        pytest.skip(f"not the Hopper kernel here ({type(lp.backend).__name__})")
+    assert lp.reads_vectors and lp.backend.shares == knobs["shares"]
+    for _ in range(2):
+        for name in ("out", "lse", "workspace_buffer"):
+            t = case.kwargs.get(name)
+            if t is not None:
+                t.fill_(255 if t.dtype == torch.uint8 else float("nan"))
+        out, lse = call(case, knobs=dict(num_splits=1), hopper=knobs)
+        check(case, out, lse, atol=atol_for(case.kwargs["q"].dtype), lse_atol=2e-2)
+
+
 def _rows_probe_kernel():
     """A Gluon kernel that writes, for every sequence b, the 8 rows the Hopper kernel's work items read
     (:meth:`.hopper_kernel.rows.SequenceRows.of`) into OUT (8, n), as the table's row order."""

@@ -574,11 +574,18 @@ def test_workspace_off_a_16_byte_boundary_is_refused():
     check(case, good, lse, atol=2e-5)
 
 
-def test_workspace_of_another_dtype_is_counted_in_bytes():
+@pytest.mark.parametrize("shape,dtype", [((1 << 18,), torch.float32), ((1 << 10, 1 << 10), torch.uint8)])
+def test_workspace_of_another_dtype_is_counted_in_bytes(shape, dtype):
+    """A workspace of any dtype or shape is its bytes, on the first call and on a repeat that reuses
+    the first's plan (the repeat takes its own byte view of the buffer)."""
     case = base_case(bits=False)
-    ws = torch.empty(1 << 18, dtype=torch.float32)  # 1 MiB
-    out, lse = cudnn_batch_prefill_with_kv_cache(**with_(case.kwargs, workspace_buffer=ws), backend="torch")
-    check(case, out, lse, atol=2e-5)
+    ws = torch.empty(shape, dtype=dtype)  # 1 MiB
+    for _ in range(2):
+        for name in ("out", "lse"):
+            if case.kwargs.get(name) is not None:
+                poison(case.kwargs[name])
+        out, lse = cudnn_batch_prefill_with_kv_cache(**with_(case.kwargs, workspace_buffer=ws), backend="torch")
+        check(case, out, lse, atol=2e-5)
 
 
 @pytest.mark.parametrize("bad", ["cuda", "flash", "TORCH", ""])

@@ -211,7 +211,8 @@ def per_token(hq: int, hkv: int, dqk: int, dvo: int) -> dict[str, int]:
 class CallTensors:
     """The tensors of one run, in the layouts the batch describes (all on ``batch.device``).
 
-    ``lse`` is the flat float32 LSE buffer (None without LSE); ``meta`` the ``(8, B)`` int32 table;
+    ``lse`` is the flat float32 LSE buffer (None without LSE); ``meta`` the ``(8, B)`` int32 table
+    (with ``vectors``: an int32 stand-in, never read);
     ``pages`` the int32 page ids (a 2-D block table, or FlashInfer's flat ``kv_indices``), None
     when ragged; scales are one-element float32 tensors (None: 1.0); ``sinks`` float32 ``(Hq,)``;
     ``scratch`` the workspace bytes a backend may use (aligned to 256 bytes); ``vectors`` the run's

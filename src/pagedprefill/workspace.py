@@ -4,7 +4,8 @@ With host metadata (lengths and offsets on the CPU) a plan owns its table: stage
 and copied once, when the plan is made (:func:`host_table`). With device lengths or offsets the
 table is computed on the device at every run (:func:`write_device_table`), into the first bytes of
 the workspace (:func:`carve`), whatever the device tensors hold (every value clamped); the backend's
-scratch follows it. A workspace serves one call at a time (one stream, one thread): two calls that
+scratch follows it (where a backend reads the vectors itself no table is written and the scratch is
+the whole workspace). A workspace serves one call at a time (one stream, one thread): two calls that
 share one race on its bytes, so :func:`acquire` refuses a second concurrent call.
 """
 
