@@ -111,6 +111,18 @@ def main() -> int:
             "triton",
             None,
         ),
+        (
+            "hopper device vectors ragged",
+            dict(dqk=128, page_size=0, dtype=BF16, lens_on_device=True, offsets="tokens"),
+            "triton",
+            None,
+        ),
+        (
+            "hopper device vectors + shares",
+            dict(dqk=128, page_size=16, dtype=BF16, lens_on_device=True, offsets="elements"),
+            "triton",
+            dict(num_splits=1, hopper_knobs=dict(dynamic=0, shares=3)),
+        ),
         ("cudnn paged", dict(dqk=128, page_size=16, dtype=BF16), "cudnn", None),
         ("cudnn ragged device lengths", dict(dqk=128, page_size=0, dtype=BF16, lens_on_device=True), "cudnn", None),
         ("cudnn empty operand", dict(dqk=128, page_size=0, dtype=BF16, lens_q=[7], lens_kv=[0]), "cudnn", None),
