@@ -173,6 +173,14 @@ def make_case(
         )
         lse_start = [x * hq for x in lse_start_tok]
         info["lse_rows"] = rows_l
+    if (
+        lens_on_device
+        and torch.device(device).type != "cpu"
+        and any(n in kwargs for n in ("batch_offsets_o", "batch_offsets_stats"))
+    ):
+        # (an out / lse the call would allocate, addressed by device offsets of their own, is refused:
+        # test_plan's test_gpu_an_allocated_buffer_device_offsets_place_is_refused)
+        with_out = True
     if with_out:
         out_dtype = torch.bfloat16 if dtype in FP8 else dtype
         kwargs["out"] = poison(torch.empty((rows_o, hq, dvo), dtype=out_dtype, device=device))

@@ -884,3 +884,18 @@ def test_k_and_v_views_of_one_interleaved_buffer_are_fine():
     case = base_case(bits=False, kv_layout="interleaved")
     out, lse = cudnn_batch_prefill_with_kv_cache(**case.kwargs, backend="torch")
     check(case, out, lse, atol=2e-5)
+
+
+def test_offsets_that_place_rows_as_q_does():
+    """An out / packed LSE the call allocates has q's rows; with device offsets that is safe only for
+    q's own vector read in q's tokens (``normalise._rows_of_q``), never for a vector of its own."""
+    q = torch.tensor([0, 5, 9], dtype=torch.int32)
+    copy = q.clone()
+    assert normalise._rows_of_q({"q": q, "o": q}, "o", "tokens", 64, 32)
+    assert normalise._rows_of_q({"q": q, "o": q.view(-1)}, "o", "elements", 64, 64)  # (a view: the same rows)
+    assert not normalise._rows_of_q({"q": q, "o": q}, "o", "elements", 64, 32)  # (elements of another width)
+    assert not normalise._rows_of_q({"q": q, "o": copy}, "o", "tokens", 64, 64)  # (equal now, not later)
+    assert not normalise._rows_of_q({"o": q}, "o", "tokens", 64, 64)  # (q's rows from prefix sums)
+    assert normalise._rows_of_q({"q": q, "stats": q}, "stats", "tokens", 64, 64)
+    assert not normalise._rows_of_q({"q": q, "stats": q}, "stats", "elements", 64, 64)
+    assert not normalise._rows_of_q({"q": q, "o": q[:2]}, "o", "tokens", 64, 64)

@@ -250,6 +250,50 @@ def test_gpu_plan_run_every_backend(backend, device_lengths):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("which", ["o", "stats"])
+@pytest.mark.parametrize("api", ["one-shot", "plan.run"])
+def test_gpu_an_allocated_buffer_device_offsets_place_is_refused(which, api):
+    """With device offsets of out's (or the packed LSE's) own, the buffer the call would allocate
+    (q's rows) may not hold the rows they place, and the device metadata would drop those rows
+    unseen: the call names the buffer instead, writes nothing, and runs once it is given."""
+    case = make_case(
+        23,
+        lens_q=[13, 12, 9],
+        lens_kv=[4, 0, 10],
+        hq=16,
+        hkv=2,
+        dqk=128,
+        page_size=16,
+        dtype=BF16,
+        device="cuda",
+        lens_on_device=True,
+        offsets="tokens",
+        gaps=True,
+        lse_layout="packed",
+    )
+    kw = case.kwargs
+    given = {"o": "out", "stats": "lse"}[which]
+    other = "lse" if given == "out" else "out"
+    bare = {k: v for k, v in kw.items() if k != given}
+    poison(kw[other])
+
+    def run(args):
+        if api == "one-shot":
+            return pagedprefill.cudnn_batch_prefill_with_kv_cache(**args, backend="triton")
+        p = plan_of(case, "triton")
+        return p.run(args["q"], args["k_cache"], args["v_cache"], args.get("out"), args.get("lse"))
+
+    with pytest.raises(ValueError, match=f"{given}: expected a buffer of the caller's when batch_offsets_{which}"):
+        run(bare)
+    torch.cuda.synchronize()
+    assert torch.isnan(kw[other]).all(), "the refused call wrote"
+    poison(kw["out"])
+    poison(kw["lse"])
+    out, lse = run(kw)
+    check(case, out, lse, atol=atol_for(BF16), lse_atol=2e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("device_lengths", [True, False])
 @pytest.mark.parametrize("page_size,offsets", [(16, "none"), (0, "elements")])
 @pytest.mark.parametrize(

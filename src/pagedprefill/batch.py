@@ -122,6 +122,9 @@ class Sequences:
     graph_mode: bool
     host: HostMetadata | None
     table_stride: int  # row stride of the block table the kernels read (0 without one)
+    # device offsets ("o", "stats") that may place rows past q's: a buffer they address cannot be
+    # allocated with q's rows (the rows they place are not known without a device sync)
+    placed_apart: tuple[str, ...]
 
 
 @dataclass(frozen=True)

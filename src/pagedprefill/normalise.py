@@ -488,6 +488,7 @@ def sequences(
         }
         dev_offs = {k: (t.to(device) if t.device.type == "cpu" else t) for k, t in offs.items()}
         dev_vecs = DeviceVectors(dev["lens_q"], dev["lens_kv"], dev_offs, dev["indptr"], dev["last"], units)
+        placed_apart = tuple(n for n in ("o", "stats") if n in offs and not _rows_of_q(offs, n, units, dqk, dvo))
     seq = Sequences(
         batch_size=bsz,
         max_q=max_q,
@@ -509,6 +510,7 @@ def sequences(
         graph_mode=graph_mode,
         host=host,
         table_stride=table_stride,
+        placed_apart=() if host is not None else placed_apart,
     )
     if lse_mode == "padded" and bsz * max_q * hq > INT32_MAX:
         raise fail(
@@ -739,12 +741,33 @@ def _check_rows(seq, h: HostMetadata, q, k, v, out, lse_numel, out_allocated) ->
                 )
 
 
+def _rows_of_q(offs: dict, name: str, units: str, dqk: int, dvo: int) -> bool:
+    """Whether offsets ``name`` place each sequence's rows where q's offsets place its q rows: the
+    same vector as q's, read in the same tokens (o: tokens, or elements with Dvo = Dqk; stats:
+    tokens)."""
+    t, q = offs.get(name), offs.get("q")
+    if q is None or not (t is q or (t.device == q.device and t.data_ptr() == q.data_ptr() and t.dtype == q.dtype)):
+        return False
+    if t.shape != q.shape or t.stride() != q.stride():
+        return False
+    return units == "tokens" or (name == "o" and dqk == dvo)
+
+
 def alloc_rows(seq: Sequences, rows_q: int, which: str) -> int:
     """Rows of an out ("o") / packed lse ("stats") buffer the function allocates itself: q's rows,
-    or more where host offsets place sequences further (device offsets: q's rows; the device
-    metadata clamps)."""
+    or more where host offsets place sequences further. Device offsets of its own (not q's) could
+    place rows past q's, which the device metadata would clamp away unseen: refused."""
     h = seq.host
     if h is None:
+        if which in seq.placed_apart:
+            arg = "out" if which == "o" else "lse"
+            raise fail(
+                arg,
+                f"a buffer of the caller's when batch_offsets_{which} is on the device and is not q's offsets "
+                f"(an allocated {arg} has q's rows; the rows device offsets place are not known without a device "
+                "sync, and rows past the buffer would be dropped)",
+                None,
+            )
         return rows_q
     starts = h.o_start if which == "o" else [s // seq.num_qo_heads for s in h.lse_start]
     need = max([rows_q, *(s + n for s, n in zip(starts, h.lens_q) if n)])
