@@ -93,8 +93,11 @@ def cudnn_batch_prefill_with_kv_cache(
             token × Hq) or "tokens". Absent: prefix sums of the lengths (o defaults to q's, v to
             k's offsets).
         out: optional (rows, Hq, Dvo) output; rows that belong to no sequence are never written.
+            Required with ``batch_offsets_o`` on the device other than q's (an allocated out has q's
+            rows, and device offsets are never read back).
         lse: optional float32 LSE buffer: (B, max_token_per_sequence, Hq), or any contiguous
-            buffer addressed by ``batch_offsets_stats``.
+            buffer addressed by ``batch_offsets_stats`` (required when those are on the device,
+            unless they are q's offsets in tokens).
         is_cuda_graph_compatible: lengths/offsets/tables live on the device; no host sync, and no
             allocation when out (and lse) are given; safe to capture with ``torch.cuda.graph``.
         backend: "auto" / None (fastest correct backend for the call), "cudnn", "triton", "torch".
