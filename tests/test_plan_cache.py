@@ -324,3 +324,61 @@ def test_gpu_serving_loop_device_memory_is_flat(backend):
         assert growth <= 1 << 20, f"{backend}: device memory grew {growth / 2**20:.2f} MiB over 600 calls"
     finally:
         pagedprefill.clear_caches()
+
+
+def _key(vectors: tuple, scalars: tuple = (1.0, "elements")) -> tuple:
+    """The signature of a call with these length / offset vectors (its other tensors fixed)."""
+    t = torch.empty((7, 2, 16), device="meta")
+    return plan_cache.signature((t,) * 8, vectors, (None, None, None), scalars, tuple(map(type, scalars)))
+
+
+@pytest.mark.gpu
+def test_gpu_device_offsets_that_alias_q_are_in_the_key():
+    """Whether device o / stats offsets are q's own vector decides whether the call may allocate out /
+    a packed LSE (``normalise.alloc_rows``): two calls whose offsets have equal layouts but differ in
+    that get different keys, so a refused allocation is never served by a cached plan. (Meta tensors
+    all have address 0: the CPU test below models addresses.)"""
+    base = torch.empty(64, dtype=torch.int32, device="cuda")
+    q, other = base[:4], base[8:12]
+    lens = base[16:19]
+    same = _key((lens, lens, q, q, None, None, None))
+    apart = _key((lens, lens, q, other, None, None, None))
+    assert same is not None and apart is not None and same != apart
+    assert _key((lens, lens, q, q, None, None, None)) == same
+
+
+def test_aliases_of_device_offsets():
+    """``plan_cache._aliases``: o and stats compared with q by address, on the device only."""
+
+    class Dev(torch.Tensor):  # (a CPU tensor that reports itself off the CPU, at a chosen address)
+        pass
+
+    def dev(ptr: int):
+        t = torch.empty(4, dtype=torch.int32).as_subclass(Dev)
+        t.is_cpu_override, t.ptr = False, ptr
+        return t
+
+    Dev.is_cpu = property(lambda self: getattr(self, "is_cpu_override", True))
+    Dev.data_ptr = lambda self: self.ptr
+    q, o = dev(4096), dev(8192)
+    assert plan_cache._aliases((None, None, q, q, None, None, q)) == (True, True)
+    assert plan_cache._aliases((None, None, q, o, None, None, None)) == (False, False)
+    assert plan_cache._aliases((None, None, None, o, None, None, None)) == ()
+    host = torch.tensor([0, 3, 7], dtype=torch.int32)
+    assert plan_cache._aliases((None, None, host, host, None, None, None)) == ()
+
+
+def test_cached_plan_keeps_no_view_of_a_caller_vector():
+    """``api._plan_owned`` drops a device vector that is a caller's tensor or a view of what a
+    caller's view views (``reshape(-1)`` of ``buf[:b]`` has ``buf`` as its base), and keeps the
+    plan's own copies."""
+    from pagedprefill.batch import DeviceVectors
+
+    buf = torch.empty(1 << 20, dtype=torch.int32, device="meta")
+    lens = buf[:3]  # the caller's argument: a view of its buffer
+    offs = buf[100:104]
+    mine = torch.empty(4, dtype=torch.int32, device="meta")  # (a copy the plan made of a host vector)
+    vecs = DeviceVectors(lens.reshape(-1), mine, {"q": offs.view(-1), "k": mine}, None, None, "tokens")
+    got = api._plan_owned(vecs, (lens, None, offs, None, None, None, None))
+    assert got.lens_q is None and got.offsets["q"] is None
+    assert got.lens_kv is mine and got.offsets["k"] is mine

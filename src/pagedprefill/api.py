@@ -256,13 +256,22 @@ def _plan_call(
 
 
 def _plan_owned(vectors: DeviceVectors | None, given: tuple) -> DeviceVectors | None:
-    """``vectors`` without the caller's own device tensors (None in their place)."""
+    """``vectors`` without the caller's own device tensors (None in their place): a tensor that is
+    one of them, or a view of what one of them views (a 1-D view of a caller's buffer, reshaped,
+    has that buffer as its base), would keep the caller's memory alive in the cache."""
     if vectors is None:
         return None
-    caller = {id(t) for t in given if isinstance(t, Tensor) and t.device.type != "cpu"}
+    caller = set()
+    for t in given:
+        if isinstance(t, Tensor) and not t.is_cpu:
+            caller.add(id(t))
+            if t._base is not None:
+                caller.add(id(t._base))
 
     def own(t):
-        return None if t is None or id(t._base if t._base is not None else t) in caller or id(t) in caller else t
+        if t is None or id(t) in caller or (t._base is not None and id(t._base) in caller):
+            return None
+        return t
 
     return DeviceVectors(
         own(vectors.lens_q),

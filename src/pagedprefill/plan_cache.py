@@ -60,8 +60,9 @@ def _scale(s: object) -> tuple | None:
 
 def signature(tensors: tuple, vectors: tuple, scales: tuple, scalars: tuple, types: tuple) -> tuple | None:
     """The key of a call, or None when it must take the full path (an argument of an unexpected type,
-    or a CPU scale tensor). ``types``: the scalars' types (with them, True == 1 == 1.0 never makes a
-    call whose causal is 1 take the plan of causal=True: it must be refused as the first such call was)."""
+    or a CPU scale tensor). ``vectors``: lengths q / kv, then offsets q, o, k, v, stats. ``types``: the
+    scalars' types (with them, True == 1 == 1.0 never makes a call whose causal is 1 take the plan of
+    causal=True: it must be refused as the first such call was)."""
     parts = [
         ()
         if t is None
@@ -77,7 +78,18 @@ def signature(tensors: tuple, vectors: tuple, scales: tuple, scalars: tuple, typ
         parts += [_scale(s) for s in scales]
     if None in parts:
         return None
-    return (*parts, scalars, types, threading.get_ident(), tuning.generation)
+    return (*parts, _aliases(vectors), scalars, types, threading.get_ident(), tuning.generation)
+
+
+def _aliases(vectors: tuple) -> tuple:
+    """Whether the o and stats offsets on the device are q's own vector (by address: their layouts
+    are in the key): an out / packed LSE the call allocates depends on it
+    (:func:`pagedprefill.normalise.alloc_rows`), and layouts alone would not tell two calls apart."""
+    q = vectors[2]
+    if not isinstance(q, Tensor) or q.is_cpu:
+        return ()
+    ptr = q.data_ptr()
+    return tuple([isinstance(t, Tensor) and t.data_ptr() == ptr for t in (vectors[3], vectors[6])])
 
 
 _NO_SCALE_PARTS = [(), (), ()]
