@@ -46,6 +46,12 @@ def main() -> int:
         ("hopper paged16 tma", dict(dqk=128, page_size=16, dtype=BF16), "triton", None),
         ("hopper ragged dqk192", dict(dqk=192, dvo=128, page_size=0, dtype=BF16), "triton", None),
         ("hopper page1 cp.async gqa3", dict(dqk=64, page_size=1, dtype=F16, hq=6, hkv=2), "triton", None),
+        (
+            "hopper d64 paged16 tma row sums",
+            dict(dqk=64, page_size=16, dtype=BF16),
+            "triton",
+            dict(hopper_knobs=dict(rowsum=1)),
+        ),
         ("hopper d96 paged16 tma 64+32", dict(dqk=96, page_size=16, dtype=BF16), "triton", None),
         ("hopper d96 page1 cp.async gqa3", dict(dqk=96, page_size=1, dtype=F16, hq=6, hkv=2), "triton", None),
         ("hopper d256 paged16 tma", dict(dqk=256, page_size=16, dtype=BF16), "triton", None),

@@ -57,12 +57,37 @@ def test_config_knobs_are_validated():
         (dict(chunk=-1), "chunk must be >= 0"),
         (dict(dynamic=2), "dynamic must be 0 or 1"),
         (dict(shares=65), "shares must be in"),
+        (dict(rowsum=2), "rowsum must be -1, 0 or 1"),
     ):
         with tuning.override("hopper", **bad), pytest.raises(ValueError, match=msg):
             hp.config(batch)
     mid = batch_of(_case(lens_q=[500, 400], lens_kv=[500, 400]))  # (the static-rounds rule's fill count)
     with tuning.override("hopper", consumers=0), pytest.raises(ValueError, match="consumers must be 2 or 3"):
         hp.config(mid)
+
+
+def test_row_sums_on_the_tensor_cores_where_measured_faster():
+    """The consumers sum P's rows by a wgmma at D 64 with 16-bit K/V and no LSE asked for only (where it
+    measured faster, and where the LSE's precision is not at stake); the knob forces it either way, but
+    never with e4m3 P (refused by name); the block of ones comes out of the ring's room."""
+    assert hp.tensor_row_sums(batch_of(_case(dqk=64, return_lse=False)), hp.DEFAULT)
+    assert not hp.tensor_row_sums(batch_of(_case(dqk=64)), hp.DEFAULT)  # (an LSE: the float32 sums)
+    others = (dict(), dict(dqk=96), dict(dqk=256), dict(dqk=192, dvo=128), dict(dqk=64, kv_dtype=torch.float8_e4m3fn))
+    for kw in others:
+        assert not hp.tensor_row_sums(batch_of(_case(**kw, return_lse=False)), hp.DEFAULT), kw
+    assert not hp.tensor_row_sums(batch_of(_case(dqk=64, dtype=E4M3, return_lse=False)), hp.DEFAULT)
+    d128 = batch_of(_case())
+    with tuning.override("hopper", rowsum=1):
+        assert hp.tensor_row_sums(d128, hp.config(d128))
+        with pytest.raises(ValueError, match="rowsum=1 with fp8 q"):
+            hp.config(batch_of(_case(dtype=E4M3)))
+    d64 = batch_of(_case(dqk=64, return_lse=False))
+    with tuning.override("hopper", rowsum=0):
+        assert not hp.tensor_row_sums(d64, hp.config(d64))
+    plan = hp.HopperPlan(d64)
+    assert plan._constexprs(None, False)["ROWSUM"] and not hp.HopperPlan(d128)._constexprs(None, False)["ROWSUM"]
+    room = hp.SMEM_BYTES - 2 * hp.DEFAULT.BLOCK_M * 64 - 2 * 8 * hp.DEFAULT.BLOCK_N
+    assert hp._ring_stages(d64, plan.cfg, 0) == room // (2 * hp.DEFAULT.BLOCK_N * 128)
 
 
 def test_not_used_off_the_gpu():
@@ -696,7 +721,8 @@ _AOT = textwrap.dedent(
             cmd = [ptxas, "-v", "--gpu-name", "sm_90a", "/tmp/_pp_gluon.ptx", "-o", "/dev/null"]
             log = subprocess.run(cmd, capture_output=True, text=True).stderr
             spill = max([int(x) for x in re.findall(r"(\\d+) bytes spill stores", log)] or [0])
-            overlap = f"wgmma.wait_group.sync.aligned {{2 if d == 96 else 1}}" in ptx
+            after_qk = (2 if d == 96 else 1) + (1 if kwargs["ROWSUM"] else 0)  # (PV GEMMs and the row sums')
+            overlap = f"wgmma.wait_group.sync.aligned {{after_qk}}" in ptx
             regs = sorted(set(re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)))
             bulk = ptx.count("cp.async.bulk.tensor")
             stsm = ptx.count("stmatrix")
@@ -714,6 +740,7 @@ SPECS = [  # (the cases' 7-token queries at GQA 4 take NARROW at D 128 unless th
     (128, 0, False, "float16", 128, dict(wide=1)),  # (WIDE tiles)
     (128, 0, True, "float16", 128, {}),  # (NARROW on ragged K/V)
     (64, 1, True, "bfloat16", 64, {}),  # (cp.async K/V)
+    (64, 16, True, "bfloat16", 64, dict(rowsum=1)),  # (row sums by a wgmma)
     (192, 0, True, "bfloat16", 128, {}),  # Dqk 192 / Dvo 128: K in 128 + 64 columns
     (256, 16, True, "bfloat16", 256, {}),  # D 256: K in 128 + 128 columns, V's boxes side by side
     (256, 0, False, "float16", 256, {}),
@@ -796,6 +823,19 @@ def check_forced(case, lse_atol: float = 2e-2, **knobs) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(560, 572))
+def test_gpu_d64_without_lse_sums_rows_by_wgmma(seed, monkeypatch):
+    """D 64 calls that return no LSE take the row sums' wgmma (the default there): random lengths,
+    pages, GQA ratios and grids, out poisoned and checked row by row against the float64 oracle."""
+    if seed % 2:
+        monkeypatch.setattr(hp, "_num_sms", lambda device, n=1 + seed % 3: n)
+    params = {**hopper_params(seed), "dqk": 64, "dvo": 64, "return_lse": False}
+    case = make_case(seed, **params)
+    assert hp.HopperPlan(batch_of(case))._constexprs(None, False)["ROWSUM"]
+    check_forced(case)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("seed", range(500, 540))
 def test_gpu_random_grid_forced(seed, monkeypatch):
     """Odd seeds shrink the persistent grid to 1-3 programs so that every program walks many work items
@@ -820,6 +860,10 @@ def test_gpu_random_grid_forced(seed, monkeypatch):
         (4, 128, dict(BLOCK_N=128, stages=2)),
         (4, 192, {}),
         (7, 64, {}),
+        (5, 64, dict(rowsum=0)),  # (D 64's row sums by each thread, as elsewhere)
+        (3, 128, dict(rowsum=1)),  # (... and by a wgmma where they are not by default)
+        (6, 96, dict(rowsum=1)),
+        (5, 256, dict(rowsum=1)),
         (5, 256, {}),
         (3, 96, {}),
         (4, 96, dict(BLOCK_N=32)),
@@ -849,12 +893,12 @@ def test_gpu_tile_boundaries(group, dqk, knobs, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("slope", [0.004, 0.03, 0.3, -0.03])
-@pytest.mark.parametrize("dqk, kv8", [(128, False), (96, False), (256, False), (128, True), (128, "qkv")])
+@pytest.mark.parametrize("dqk, kv8", [(128, False), (96, False), (256, False), (64, False), (128, True), (128, "qkv")])
 def test_gpu_running_max_grows_across_tiles(slope, dqk, kv8):
     """Logits that rise (or fall) along the keys: each row's running max grows by a little per tile
     (kept stale until it passes 2^8 of headroom, then O is rescaled) or by a lot (every tile rescales),
     one row block of noise on top; D 96 rescales two accumulators; 8-bit K/V on float16 GEMMs; e4m3 q,
-    k and v on 8-bit GEMMs (P up to 2^8 in e4m3)."""
+    k and v on 8-bit GEMMs (P up to 2^8 in e4m3); D 64 rescales the row sums' wgmma accumulator with O."""
     lens_kv = [1500, 333]
     case = make_case(
         77 + dqk,

@@ -56,6 +56,9 @@ class Config:
     # static rounds: split the last round's items by keys into this many shares (0: as
     # `tail_shares` decides; 1: never), each merged after the kernel
     shares: int = 0
+    # 1: row sums by a wgmma of P against a block of ones (the kernel's ROWSUM), 0: by each thread's FADDs;
+    # -1: as `tensor_row_sums` decides
+    rowsum: int = -1
 
     @property
     def BLOCK_M(self) -> int:
@@ -325,6 +328,10 @@ def config(batch: PrefillBatch) -> Config:
         why = f"dynamic must be 0 or 1, got {cfg.dynamic}"
     elif cfg.split not in (0, 1):
         why = f"split must be 0 or 1, got {cfg.split}"
+    elif cfg.rowsum not in (-1, 0, 1):
+        why = f"rowsum must be -1, 0 or 1, got {cfg.rowsum}"
+    elif cfg.rowsum == 1 and batch.fp8_q:
+        why = "rowsum=1 with fp8 q (the sum of e4m3-rounded P misses the LSE tolerance)"
     elif not 0 <= cfg.shares <= 64:
         why = f"shares must be in [0, 64] (0: automatic, 1: none), got {cfg.shares}"
     elif _ring_stages(batch, cfg, _staging_bytes(batch, cfg)) < 2:
@@ -453,9 +460,26 @@ def _staging_bytes(batch: PrefillBatch, cfg: Config) -> int:
     return staging_slots(batch, cfg) * _staging_tile(batch, cfg)
 
 
+def tensor_row_sums(batch: PrefillBatch, cfg: Config) -> bool:
+    """Whether the consumers sum P's rows on the tensor cores (the kernel's ``ROWSUM``: one more small
+    wgmma a tile, in place of each thread's ~32 FADD / FFMA): at D 64 with 16-bit K/V, whose key loop is
+    bound by issue slots (+5% on d64_b16_q2k), where no LSE is asked for. The sum is then of P rounded
+    to the GEMMs' dtype: O is as accurate (its numerator holds the same rounded P), but the LSE only to
+    that dtype (bf16: 1e-3 against the float32 sum's 1e-6, float64 oracle), so a call that returns it
+    keeps the FADDs. At D 128 and 256 the wgmma's tensor time costs more than the FADDs (-3% on the 16k
+    prefill, -1.5% at D 256); with e4m3 P the LSE misses the tests' tolerance (never with fp8 q)."""
+    if batch.fp8_q:
+        return False
+    if cfg.rowsum >= 0:
+        return bool(cfg.rowsum)
+    return batch.head_dim_qk == batch.head_dim_vo == 64 and not batch.fp8_kv and not batch.has_lse
+
+
 def _ring_stages(batch: PrefillBatch, cfg: Config, staging_bytes: int) -> int:
     esz = batch.q.dtype.itemsize
     q_bytes = cfg.BLOCK_M * batch.head_dim_qk * esz
+    if tensor_row_sums(batch, cfg):  # (the block of ones: 8 x BLOCK_N in the GEMMs' 16-bit dtype)
+        q_bytes += 8 * cfg.BLOCK_N * 2
     stage_bytes = cfg.BLOCK_N * (batch.head_dim_qk + batch.head_dim_vo) * esz
     return (SMEM_BYTES - q_bytes - staging_bytes) // stage_bytes
 
@@ -706,6 +730,7 @@ class HopperPlan:
             K_SCALED=batch.k_scaled,
             V_SCALED=batch.v_scaled,
             SPLIT=bool(cfg.split) and use_tma and not (batch.fp8_kv or batch.fp8_q),
+            ROWSUM=tensor_row_sums(batch, cfg),
             **(self._vector_mode[1] if self._vector_mode else _TABLE_MODE),
             num_warps=4,
         )

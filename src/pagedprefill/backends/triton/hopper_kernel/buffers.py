@@ -66,11 +66,13 @@ class QSlots:
     full: gl.shared_memory_descriptor
     empty: gl.shared_memory_descriptor
     f: gl.shared_memory_descriptor  # KV8: [4 * 64] float32, each row's power of two (see _prep_q)
+    ones: gl.shared_memory_descriptor  # [8, BLOCK_N] ones in the GEMMs' dtype: the row sums' B operand
 
     @gluon.constexpr_function
-    def __init__(self, q, q1, full, empty, f):
+    def __init__(self, q, q1, full, empty, f, ones):
         self.q = q
         self.q1 = q1
         self.full = full
         self.empty = empty
         self.f = f
+        self.ones = ones

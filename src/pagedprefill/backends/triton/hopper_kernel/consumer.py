@@ -144,6 +144,30 @@ def _a_operand(p_op, P_L: gl.constexpr, F8: gl.constexpr):
 
 
 @gluon.jit
+def _rowsum_async(a_op, slots: QSlots, lacc, PL_L: gl.constexpr):
+    """lacc += P 1 (geo.ROWSUM): the PV GEMM's A operand against the block of ones, asynchronously."""
+    a = gl.convert_layout(a_op, PL_L, assert_trivial=True)  # (an A operand's registers do not depend on N)
+    return warpgroup_mma(a, slots.ones.permute((1, 0)), lacc, is_async=True)
+
+
+@gluon.jit
+def _pv_wait(o_tok, o1_tok, l_tok, acc1, lacc, TWO: gl.constexpr, ROWSUM: gl.constexpr):
+    """Wait for a tile's PV GEMMs (two where TWO) and its row sums' wgmma (ROWSUM): (acc, acc1, lacc),
+    the accumulators not computed passed through."""
+    if TWO:
+        if ROWSUM:
+            acc, acc1, lacc = warpgroup_mma_wait(0, deps=[o_tok, o1_tok, l_tok])
+        else:
+            acc, acc1 = warpgroup_mma_wait(0, deps=[o_tok, o1_tok])
+    else:
+        if ROWSUM:
+            acc, lacc = warpgroup_mma_wait(0, deps=[o_tok, l_tok])
+        else:
+            acc = warpgroup_mma_wait(0, deps=[o_tok])
+    return acc, acc1, lacc
+
+
+@gluon.jit
 def _v_operand(v_buf, F8: gl.constexpr):
     """A V tile as the PV GEMM's B operand ([keys, Dvo]): F8 stores it transposed."""
     if F8:
@@ -249,6 +273,11 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
         O1_E: gl.constexpr = O1_L
     else:  # (the epilogue's second accumulator layout: unused)
         O1_E: gl.constexpr = O_L
+    # ROWSUM: the row sums' accumulator, [SUB_M, 8] (its 8 columns alike), and P as its A operand
+    L_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, KI])
+    PL_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_L, k_width=KW)
+    # (wgmma groups issued after a tile's QK GEMM: its PV GEMMs and the row sums')
+    AFTER_QK: gl.constexpr = (2 if DV1 > 0 else 1) + (1 if geo.ROWSUM else 0)
     q_sub = slots.q.index(R0 // SUB_M)
     if DQ1 > 0:
         q1_sub = slots.q1.index(R0 // SUB_M)
@@ -295,6 +324,7 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
         diag = tok_s + (w.kv_len - w.q_len)
         m_i = gl.full([SUB_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
         l_i = _quad_sums(gl.zeros([SUB_M, BLOCK_N], gl.float32, S_L))  # (per thread: see _quad_sums)
+        lacc = gl.zeros([SUB_M, 8], gl.float32, L_L)
         acc = gl.zeros([SUB_M, DV0], gl.float32, O_L)
         s_zero = gl.zeros([SUB_M, BLOCK_N], gl.float32, S_L)
         if geo.F8:  # (P crosses the loop in float32: see _a_operand)
@@ -304,6 +334,8 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
         if DV1 > 0:
             acc1 = gl.zeros([SUB_M, DV1], gl.float32, O1_L)
             p_op1 = gl.zeros([SUB_M, BLOCK_N], dtype, P1_L)
+        else:  # (unused: _pv_wait passes it through)
+            acc1 = lacc
         n_walk = w.n_tiles  # key tiles this warpgroup computes up to; below full_own none is masked
         full_own = w.full
         if CAUSAL:
@@ -326,6 +358,7 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
                 _skip_tile(ring, c + t - t_lo, geo)
         n_walk = gl.maximum(n_walk, t_own)
         alpha = gl.full([SUB_M], 1.0, gl.float32, gl.SliceLayout(1, O_L))
+        alpha_l = gl.full([SUB_M], 1.0, gl.float32, gl.SliceLayout(1, L_L))
         if DV1 > 0:
             alpha1 = gl.full([SUB_M], 1.0, gl.float32, gl.SliceLayout(1, O1_L))
         if Q_EARLY:
@@ -376,16 +409,21 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
                 acc = _rescale(acc, alpha)
                 if DV1 > 0:
                     acc1 = _rescale(acc1, alpha1)
+                if geo.ROWSUM:
+                    lacc = lacc * alpha_l[:, None]
             if geo.SPLIT:
                 mbarrier.wait(ring.full.index(STAGES + prev), ph_prev)
-            o_tok = warpgroup_mma(
-                _a_operand(p_op, P_L, geo.F8), _v_operand(ring.v.index(prev), geo.F8), acc, is_async=True
-            )
+            a_op = _a_operand(p_op, P_L, geo.F8)
+            o_tok = warpgroup_mma(a_op, _v_operand(ring.v.index(prev), geo.F8), acc, is_async=True)
             if DV1 > 0:
                 o1_tok = warpgroup_mma(p_op1, ring.v1.index(prev), acc1, is_async=True)
-                sc = warpgroup_mma_wait(2, deps=[s_tok])  # (the QK GEMMs: issued before both PV GEMMs)
             else:
-                sc = warpgroup_mma_wait(1, deps=[s_tok])
+                o1_tok = o_tok
+            if geo.ROWSUM:
+                l_tok = _rowsum_async(a_op, slots, lacc, PL_L)
+            else:
+                l_tok = o_tok
+            sc = warpgroup_mma_wait(AFTER_QK, deps=[s_tok])  # (the QK GEMMs: issued before the others)
             if geo.SPLIT:
                 mbarrier.arrive(ring.empty.index(s))
             if Q_EARLY:
@@ -404,11 +442,11 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
                     sc, m_i, l_i, qk_e, qk_r, t * BLOCK_N, diag, w.kv_len, sched.window, cap_out, True, geo
                 )
                 alpha = gl.convert_layout(alpha_s, gl.SliceLayout(1, O_L))
+            if geo.ROWSUM:
+                alpha_l = gl.convert_layout(alpha_s, gl.SliceLayout(1, L_L))
             if DV1 > 0:
                 alpha1 = gl.convert_layout(alpha_s, gl.SliceLayout(1, O1_L))
-                acc, acc1 = warpgroup_mma_wait(0, deps=[o_tok, o1_tok])
-            else:
-                acc = warpgroup_mma_wait(0, deps=[o_tok])
+            acc, acc1, lacc = _pv_wait(o_tok, o1_tok, l_tok, acc1, lacc, DV1 > 0, geo.ROWSUM)
             mbarrier.arrive(ring.empty.index(STAGES + prev if geo.SPLIT else prev))
             p_op = _p_operand(p, P_L, dtype, geo.F8)
             if DV1 > 0:
@@ -424,22 +462,30 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
                 acc = _rescale(acc, alpha)
                 if DV1 > 0:
                     acc1 = _rescale(acc1, alpha1)
+                if geo.ROWSUM:
+                    lacc = lacc * alpha_l[:, None]
             if geo.SPLIT:
                 mbarrier.wait(ring.full.index(STAGES + last), ((c + n_walk - 1 - t_lo) // STAGES) & 1)
-            o_tok = warpgroup_mma(
-                _a_operand(p_op, P_L, geo.F8), _v_operand(ring.v.index(last), geo.F8), acc, is_async=True
-            )
+            a_op = _a_operand(p_op, P_L, geo.F8)
+            o_tok = warpgroup_mma(a_op, _v_operand(ring.v.index(last), geo.F8), acc, is_async=True)
             if DV1 > 0:
                 o1_tok = warpgroup_mma(p_op1, ring.v1.index(last), acc1, is_async=True)
-                acc, acc1 = warpgroup_mma_wait(0, deps=[o_tok, o1_tok])
             else:
-                acc = warpgroup_mma_wait(0, deps=[o_tok])
+                o1_tok = o_tok
+            if geo.ROWSUM:
+                l_tok = _rowsum_async(a_op, slots, lacc, PL_L)
+            else:
+                l_tok = o_tok
+            acc, acc1, lacc = _pv_wait(o_tok, o1_tok, l_tok, acc1, lacc, DV1 > 0, geo.ROWSUM)
             mbarrier.arrive(ring.empty.index(STAGES + last if geo.SPLIT else last))
         if CAUSAL:  # tiles past this warpgroup's last key: released unread, in ring order
             for t in range(n_walk, w.n_tiles):
                 _skip_tile(ring, c + t - t_lo, geo)
         c += w.n_tiles - t_lo
-        l_i = gl.convert_layout(gl.sum(l_i, 1), gl.SliceLayout(1, S_L))  # (the quad's lanes, once)
+        if geo.ROWSUM:
+            l_i = gl.convert_layout(gl.max(lacc, 1), gl.SliceLayout(1, S_L))  # (its columns are alike)
+        else:
+            l_i = gl.convert_layout(gl.sum(l_i, 1), gl.SliceLayout(1, S_L))  # (the quad's lanes, once)
 
         if geo.SINKS:  # the sink joins the denominator: out = acc / (l + e^sink), lse = log(l + e^sink)
             sink2 = gl.load(out.SINKS + (w.kv_head * GROUP + rows_s % GROUP)) * 1.4426950408889634

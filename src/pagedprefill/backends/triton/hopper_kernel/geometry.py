@@ -46,6 +46,9 @@ class Geometry:
     V_SCALED: gl.constexpr  # a device v_scale multiplies O
     SPLIT: gl.constexpr  # K and V of a stage on barriers of their own (V's at STAGES + stage): K is
     # released once its QK GEMM is done, a tile before V
+    ROWSUM: gl.constexpr  # row sums by a wgmma of P against a block of ones (QSlots.ones), beside the PV
+    # GEMM and rescaled with O, in place of each thread's ~32 FADD / FFMA a tile (the sum is then of P as
+    # the PV GEMM reads it, in its dtype)
 
     @gluon.constexpr_function
     def __init__(
@@ -76,6 +79,7 @@ class Geometry:
         K_SCALED,
         V_SCALED,
         SPLIT,
+        ROWSUM,
     ):
         self.GROUP = gl.constexpr(GROUP)
         self.PAGE_SIZE = gl.constexpr(PAGE_SIZE)
@@ -110,6 +114,7 @@ class Geometry:
         self.K_SCALED = gl.constexpr(K_SCALED)
         self.V_SCALED = gl.constexpr(V_SCALED)
         self.SPLIT = gl.constexpr(SPLIT)
+        self.ROWSUM = gl.constexpr(ROWSUM)
 
 
 @aggregate

@@ -138,6 +138,7 @@ def attention_kernel(
     K_SCALED: gl.constexpr,
     V_SCALED: gl.constexpr,
     SPLIT: gl.constexpr,
+    ROWSUM: gl.constexpr,
     VECTORS: gl.constexpr,
     CSR: gl.constexpr,
     HAS_OO: gl.constexpr,
@@ -185,6 +186,7 @@ def attention_kernel(
         K_SCALED,
         V_SCALED,
         SPLIT,
+        ROWSUM,
     )
     dtype: gl.constexpr = Q.dtype.element_ty
     # (rows swizzled over their bytes, at most 128: 16-bit 32-column parts and 8-bit 64-column tiles
@@ -266,6 +268,12 @@ def attention_kernel(
     else:  # (unused)
         q_full = kv_full.index(0)
         q_empty = kv_empty.index(0)
+    if ROWSUM:  # the consumers' row sums: P times this block of ones, keys contiguous as K's are
+        ONES_L: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])
+        ones_v = gl.full([8, BLOCK_N], 1.0, gl.float32, ONES_L).to(cdt)
+        ones = gl.allocate_shared_memory(cdt, [8, BLOCK_N], _layout(BLOCK_N, cdt.primitive_bitwidth), ones_v)
+    else:  # (unused)
+        ones = k_smem
     fence_async_shared()
 
     # ints specialised to 1 arrive as constexprs; partitions take tensors
@@ -328,7 +336,7 @@ def attention_kernel(
     )
     ring = KVRing(k_smem, k1_smem, v_smem, v1_smem, kv_full, kv_empty)
     stg = Staging(st_k, st_k1, st_v, st_v1, st_full)
-    slots = QSlots(q_smem, q1_smem, q_full, q_empty, q_f)
+    slots = QSlots(q_smem, q1_smem, q_full, q_empty, q_f, ones)
     src = KVSource(
         K,
         V,

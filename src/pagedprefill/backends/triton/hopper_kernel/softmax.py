@@ -77,7 +77,8 @@ def _masked(s, start_n, diag, kv_len, window, geo: Geometry):
 @gluon.jit
 def _softmax(s, m_i, l_i, qk_e, qk_r, start_n, diag, kv_len, window, cap_out, MASKED: gl.constexpr, geo: Geometry):
     """Online-softmax step on one S tile: returns (p, m, l, alpha), p unnormalised (fp32), m the row max
-    in use (lazy: see LAZY_BOUND), l each thread's partial row sums (see _quad_sums). The scale is
+    in use (lazy: see LAZY_BOUND), l each thread's partial row sums (see _quad_sums; with geo.ROWSUM l
+    as given: the consumers' wgmma sums P). The scale is
     ``qk_e`` to multiply S elementwise and ``qk_r`` per row (KV8: [SUB_M, 1] and [SUB_M] tensors, each
     row's own; else one scalar twice). SOFTCAP: the logit is cap_out * tanh(s * qk) (qk then folds
     1 / cap in)."""
@@ -110,8 +111,9 @@ def _softmax(s, m_i, l_i, qk_e, qk_r, start_n, diag, kv_len, window, cap_out, MA
         m_use = m_new
         p = gl.exp2(s * qk_e - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
-    part = _quad_sums(p)
-    l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, part.type.layout), assert_trivial=True)[:, None] + part
+    if not geo.ROWSUM:
+        part = _quad_sums(p)
+        l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, part.type.layout), assert_trivial=True)[:, None] + part
     return p, m_new, l_i, alpha
 
 
