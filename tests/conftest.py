@@ -15,7 +15,7 @@ if not HAS_CUDA:
 # the modules that import the Triton backend itself: not collected where Triton is not installed (a
 # CPU-only torch brings none; `pip install -e ".[triton]"` adds it); the rest skips its Triton cases
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-TRITON_MODULES = ["test_backend_hopper.py", "test_backend_triton.py", "test_dispatch.py"]
+TRITON_MODULES = ["test_backend_hopper.py", "test_backend_triton.py", "test_dispatch.py", "test_sass_counts.py"]
 collect_ignore = [] if HAS_TRITON else TRITON_MODULES
 
 
