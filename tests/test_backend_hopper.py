@@ -86,8 +86,11 @@ def test_row_sums_on_the_tensor_cores_where_measured_faster():
         assert not hp.tensor_row_sums(d64, hp.config(d64))
     plan = hp.HopperPlan(d64)
     assert plan._constexprs(None, False)["ROWSUM"] and not hp.HopperPlan(d128)._constexprs(None, False)["ROWSUM"]
-    room = hp.SMEM_BYTES - 2 * hp.DEFAULT.BLOCK_M * 64 - 2 * 8 * hp.DEFAULT.BLOCK_N
-    assert hp._ring_stages(d64, plan.cfg, 0) == room // (2 * hp.DEFAULT.BLOCK_N * 128)
+    stage = 2 * hp.DEFAULT.BLOCK_N * 128
+    x = (hp.SMEM_BYTES - 2 * hp.DEFAULT.BLOCK_M * 64) % stage - 512  # (room for the stages but for 512 bytes)
+    with tuning.override("hopper", rowsum=0):
+        without = hp._ring_stages(d64, hp.config(d64), x)
+    assert hp._ring_stages(d64, plan.cfg, x) == without - 1  # (the ones' 1 KiB costs a stage here)
 
 
 def test_not_used_off_the_gpu():
@@ -686,7 +689,7 @@ _AOT = textwrap.dedent(
     backend = make_backend(target)
     ptxas = triton.knobs.nvidia.ptxas.path
     for d, page, causal, dt, dvo, knobs in {specs!r}:
-        variants = {{k: knobs.pop(k) for k in ("window_left", "logits_soft_cap", "sinks") if k in knobs}}
+        variants = {{k: knobs.pop(k) for k in ("window_left", "logits_soft_cap", "sinks", "return_lse") if k in knobs}}
         if "kv_dtype" in knobs:
             variants["kv_dtype"] = getattr(torch, knobs.pop("kv_dtype"))
         vectors = knobs.pop("vectors", False)
@@ -740,7 +743,9 @@ SPECS = [  # (the cases' 7-token queries at GQA 4 take NARROW at D 128 unless th
     (128, 0, False, "float16", 128, dict(wide=1)),  # (WIDE tiles)
     (128, 0, True, "float16", 128, {}),  # (NARROW on ragged K/V)
     (64, 1, True, "bfloat16", 64, {}),  # (cp.async K/V)
-    (64, 16, True, "bfloat16", 64, dict(rowsum=1)),  # (row sums by a wgmma)
+    (64, 16, True, "bfloat16", 64, dict(rowsum=1)),  # (row sums by a wgmma, forced beside an LSE)
+    (64, 16, True, "bfloat16", 64, dict(return_lse=False)),  # (... and by the rule)
+    (64, 0, True, "float16", 64, dict(kv_dtype="float8_e4m3fn", rowsum=1)),  # (... over widened 8-bit K/V)
     (192, 0, True, "bfloat16", 128, {}),  # Dqk 192 / Dvo 128: K in 128 + 64 columns
     (256, 16, True, "bfloat16", 256, {}),  # D 256: K in 128 + 128 columns, V's boxes side by side
     (256, 0, False, "float16", 256, {}),
@@ -825,11 +830,12 @@ def check_forced(case, lse_atol: float = 2e-2, **knobs) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", range(560, 572))
 def test_gpu_d64_without_lse_sums_rows_by_wgmma(seed, monkeypatch):
-    """D 64 calls that return no LSE take the row sums' wgmma (the default there): random lengths,
-    pages, GQA ratios and grids, out poisoned and checked row by row against the float64 oracle."""
+    """D 64 calls that return no LSE take the row sums' wgmma (the default there): random lengths
+    (the even seeds' long: many key tiles a row block), pages, GQA ratios and grids, checked row by row
+    against the float64 oracle."""
     if seed % 2:
         monkeypatch.setattr(hp, "_num_sms", lambda device, n=1 + seed % 3: n)
-    params = {**hopper_params(seed), "dqk": 64, "dvo": 64, "return_lse": False}
+    params = {**hopper_params(seed, long=seed % 2 == 0), "dqk": 64, "dvo": 64, "return_lse": False}
     case = make_case(seed, **params)
     assert hp.HopperPlan(batch_of(case))._constexprs(None, False)["ROWSUM"]
     check_forced(case)
@@ -859,8 +865,8 @@ def test_gpu_random_grid_forced(seed, monkeypatch):
         (4, 128, dict(BLOCK_N=32)),
         (4, 128, dict(BLOCK_N=128, stages=2)),
         (4, 192, {}),
-        (7, 64, {}),
-        (5, 64, dict(rowsum=0)),  # (D 64's row sums by each thread, as elsewhere)
+        (7, 64, dict(rowsum=1)),  # (D 64's row sums by a wgmma: the default there without an LSE)
+        (5, 64, {}),
         (3, 128, dict(rowsum=1)),  # (... and by a wgmma where they are not by default)
         (6, 96, dict(rowsum=1)),
         (5, 256, dict(rowsum=1)),
@@ -927,7 +933,9 @@ def test_gpu_running_max_grows_across_tiles(slope, dqk, kv8):
     # (8-bit wgmmas accumulate with less than float32's precision, ~2^-13 of the logit measured here
     # on the H200: the LSE of logits in the hundreds is off by that share of them; bound 2^-12)
     logit = float(ramp.abs().max()) * lift * float(kw.get("q_scale", 1.0)) / math.sqrt(dqk)
-    check_forced(case, lse_atol=2e-2 + (2.0**-12 * logit if kv8 == "qkv" else 0.0))
+    # (D 64: the row sums by a wgmma, rescaled with O; with an LSE only by the knob)
+    knobs = dict(rowsum=1) if dqk == 64 else {}
+    check_forced(case, lse_atol=2e-2 + (2.0**-12 * logit if kv8 == "qkv" else 0.0), **knobs)
 
 
 @pytest.mark.gpu
