@@ -71,6 +71,16 @@ def key_loop(sass: str) -> collections.Counter:
     return collections.Counter(_opcode(t) for _, t in best or [])
 
 
+def compile_sm90(kernel, args: tuple, kwargs: dict):
+    """One launch of a Gluon kernel (``kernel[grid](*args, **kwargs)``) compiled for sm_90a on this
+    machine, GPU or not: Triton's compiled kernel (``.asm["ptx"]``, ``.metadata``)."""
+    target = GPUTarget("cuda", 90, 128)
+    backend = make_backend(target)
+    bound, sp, opts = create_function_from_signature(kernel.signature, kernel.params, backend)(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, sp, opts)
+    return triton.compile(GluonASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
 def compile_spec(spec: str, workdir: str) -> str:
     name, _, knob_text = spec.partition(":")
     dqk, dvo, page, dt, kv_dt, lse = SHAPES[name]
@@ -93,11 +103,7 @@ def compile_spec(spec: str, workdir: str) -> str:
     with tuning.override("hopper", **knobs):
         plan = hp.HopperPlan(lp.batch)
     kernel, _grid, args, kwargs = plan.launches(call_tensors(case, p, lp, ws))[0]
-    target = GPUTarget("cuda", 90, 128)
-    backend = make_backend(target)
-    bound, sp, opts = create_function_from_signature(kernel.signature, kernel.params, backend)(*args, **kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, sp, opts)
-    c = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+    c = compile_sm90(kernel, args, kwargs)
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     ptx, cubin = os.path.join(workdir, "k.ptx"), os.path.join(workdir, "k.cubin")
     Path(ptx).write_text(c.asm["ptx"])

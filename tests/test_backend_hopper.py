@@ -675,18 +675,14 @@ _AOT = textwrap.dedent(
     """
     import re, subprocess, sys
     sys.path.insert(0, {tests!r})
+    sys.path.insert(0, {scripts!r})
     import torch, triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import create_function_from_signature
+    from sass_counts import compile_sm90
     from oracle import make_case
     from helpers import planned, call_tensors
     from pagedprefill import tuning
     from pagedprefill.backends.triton import hopper as hp
 
-    target = GPUTarget("cuda", 90, 128)
-    backend = make_backend(target)
     ptxas = triton.knobs.nvidia.ptxas.path
     for d, page, causal, dt, dvo, knobs in {specs!r}:
         variants = {{k: knobs.pop(k) for k in ("window_left", "logits_soft_cap", "sinks", "return_lse") if k in knobs}}
@@ -713,11 +709,7 @@ _AOT = textwrap.dedent(
             assert plan.take_vectors(workspace.bounds(lp.batch, vecs, n_idx), vecs)
             t.vectors = vecs
         for kernel, grid, args, kwargs in plan.launches(t):
-            binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-            bound, sp, opts = binder(*args, **kwargs)
-            options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, sp, opts)
-            c = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs), target=target,
-                               options=options.__dict__)
+            c = compile_sm90(kernel, args, kwargs)
             ptx = c.asm["ptx"]
             with open("/tmp/_pp_gluon.ptx", "w") as f:
                 f.write(ptx)
@@ -770,7 +762,7 @@ def test_compiles_for_sm90(tmp_path):
     """The real launches compile for sm_90: within shared memory, spills bounded, a wgmma group left
     in flight across the softmax, O's rescale behind the warp vote, the register split applied, TMA
     copies exactly where planned, O staged (stmatrix) exactly where planned."""
-    script = _AOT.format(tests=str(ROOT / "tests"), specs=SPECS)
+    script = _AOT.format(tests=str(ROOT / "tests"), scripts=str(ROOT / "scripts"), specs=SPECS)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900)
