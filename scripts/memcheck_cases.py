@@ -2,9 +2,9 @@
 ``compute-sanitizer --tool memcheck`` (scripts/gpu_session.sh memcheck) with the caching allocator
 off, so that every tensor is its own allocation and any access outside one is reported.
 
-Paths: the Hopper kernel (TMA and cp.async K/V, fp8 K/V through its staging slots, Q by TMA and by
-the consumers, static and dynamic scheduling, a last round split into shares and their merge,
-window / soft-cap / sinks), the portable kernel (paged,
+Paths: the Hopper kernel (TMA and cp.async K/V, TMA copies from one issuing warp, fp8 K/V through
+its staging slots, Q by TMA and by the consumers, static and dynamic scheduling, a last round split
+into shares and their merge, window / soft-cap / sinks), the portable kernel (paged,
 ragged, split-KV, fp8, D 96 / 256, CSR pages), the device metadata kernel (device lengths and
 offsets, untrusted values), the cuDNN preparation kernel and graph, and the merge kernel.
 """
@@ -53,6 +53,18 @@ def main() -> int:
             dict(hopper_knobs=dict(rowsum=1)),
         ),
         ("hopper d96 paged16 tma 64+32", dict(dqk=96, page_size=16, dtype=BF16), "triton", None),
+        (
+            "hopper paged16 one issuing warp, two gathering",
+            dict(dqk=128, page_size=16, dtype=BF16),
+            "triton",
+            dict(hopper_knobs=dict(issuer=1)),
+        ),
+        (
+            "hopper d256 ragged one issuing warp, split stages",
+            dict(dqk=256, page_size=0, dtype=BF16),
+            "triton",
+            dict(hopper_knobs=dict(issuer=1, dynamic=1)),
+        ),
         ("hopper d96 page1 cp.async gqa3", dict(dqk=96, page_size=1, dtype=F16, hq=6, hkv=2), "triton", None),
         ("hopper d256 paged16 tma", dict(dqk=256, page_size=16, dtype=BF16), "triton", None),
         ("hopper d256 ragged", dict(dqk=256, page_size=0, dtype=F16), "triton", None),

@@ -58,12 +58,30 @@ def test_config_knobs_are_validated():
         (dict(dynamic=2), "dynamic must be 0 or 1"),
         (dict(shares=65), "shares must be in"),
         (dict(rowsum=2), "rowsum must be -1, 0 or 1"),
+        (dict(issuer=2), "issuer must be 0 or 1"),
     ):
         with tuning.override("hopper", **bad), pytest.raises(ValueError, match=msg):
             hp.config(batch)
     mid = batch_of(_case(lens_q=[500, 400], lens_kv=[500, 400]))  # (the static-rounds rule's fill count)
     with tuning.override("hopper", consumers=0), pytest.raises(ValueError, match="consumers must be 2 or 3"):
         hp.config(mid)
+
+
+def test_one_warp_issues_the_copies_only_where_they_are_tma_copies_of_16_bit_tiles():
+    """``issuer``: the load warps' warpgroup becomes one issuing warp and two gather warps where K/V
+    tiles come by TMA in q's dtype; the 8-bit paths (widened or transposed by every load warp) and the
+    cp.async gather keep their load warps."""
+    with tuning.override("hopper", issuer=1):
+        plan = hp.HopperPlan(batch_of(_case(dtype=BF16)))
+        tma = plan._kernel_constexprs(plan.cfg, False, False, True, True)
+        assert tma["ISSUER"] and tma["LOAD_WARPS"] == hp.ISSUER_GATHER_WARPS
+        gather = plan._kernel_constexprs(plan.cfg, False, False, False, False)
+        assert not gather["ISSUER"] and gather["LOAD_WARPS"] == plan.cfg.load_warps
+        kv8 = hp.HopperPlan(batch_of(_case(dtype=BF16, kv_dtype=E4M3)))
+        widened = kv8._kernel_constexprs(kv8.cfg, False, False, True, True)
+        assert not widened["ISSUER"] and widened["LOAD_WARPS"] == kv8.cfg.load_warps
+    plan = hp.HopperPlan(batch_of(_case(dtype=BF16)))
+    assert not plan._kernel_constexprs(plan.cfg, False, False, True, True)["ISSUER"]
 
 
 def test_row_sums_on_the_tensor_cores_where_measured_faster():
@@ -755,6 +773,11 @@ SPECS = [  # (the cases' 7-token queries at GQA 4 take NARROW at D 128 unless th
     # device lengths and offsets read by the kernel in place of the metadata table
     (128, 0, True, "bfloat16", 128, dict(vectors=True, dynamic=1)),
     (128, 16, True, "bfloat16", 128, dict(vectors=True)),
+    # one warp issuing the TMA copies, two gathering the tile across kv_len
+    (128, 16, True, "bfloat16", 128, dict(issuer=1)),
+    (256, 16, True, "bfloat16", 256, dict(issuer=1)),  # (K and V on barriers of their own)
+    (96, 0, True, "float16", 96, dict(issuer=1, dynamic=1, vectors=True)),
+    (128, 16, True, "bfloat16", 128, dict(issuer=1, kv_dtype="float8_e4m3fn")),  # (not applied: 8-bit K/V)
 ]
 
 
@@ -844,6 +867,7 @@ def test_gpu_random_grid_forced(seed, monkeypatch):
     params = hopper_params(seed)
     params["scale"] = (None, 0.3, 1.0, 2.0)[seed % 4]
     knobs = dict(chunk=seed % 5, dynamic=seed // 2 % 2, wide=int(seed % 3 == 0 and params["dqk"] == 128))
+    knobs["issuer"] = seed // 4 % 2  # (one warp issuing the TMA copies; applies where they are TMA's)
     check_forced(make_case(seed, **params), **knobs)
 
 
@@ -866,6 +890,11 @@ def test_gpu_random_grid_forced(seed, monkeypatch):
         (3, 96, {}),
         (4, 96, dict(BLOCK_N=32)),
         (4, 256, dict(BLOCK_N=64, stages=2)),
+        (5, 128, dict(issuer=1)),  # (one warp issuing the TMA copies, two gathering)
+        (4, 128, dict(issuer=1, consumers=2, consumer_regs=216)),
+        (3, 96, dict(issuer=1)),
+        (4, 256, dict(issuer=1, BLOCK_N=64, stages=2, split=1)),
+        (6, 64, dict(issuer=1, rowsum=1)),
     ],
 )
 def test_gpu_tile_boundaries(group, dqk, knobs, monkeypatch):
@@ -887,6 +916,33 @@ def test_gpu_tile_boundaries(group, dqk, knobs, monkeypatch):
         device="cuda",
     )
     check_forced(case, **knobs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dynamic", [0, 1])
+@pytest.mark.parametrize("dqk", [64, 128, 256])
+def test_gpu_issuer_long_items_end_on_gathered_tiles(dynamic, dqk, monkeypatch):
+    """``issuer``: a program walks many items of 15-40 key tiles (more than twice the ring), each ending
+    on a tile across kv_len that the gather warps fill: they must not take that tile's stage before
+    the consumers released its previous tiles (an empty barrier's phase parity seen two phases early
+    reads as free)."""
+    monkeypatch.setattr(hp, "_num_sms", lambda device: 2)
+    r = random.Random(dqk + dynamic)
+    lens_kv = [64 * r.randint(15, 40) + r.randint(1, 63) for _ in range(9)]
+    case = make_case(
+        dqk + dynamic,
+        lens_q=[r.randint(20, 130) for _ in lens_kv],
+        lens_kv=lens_kv,
+        hq=8,
+        hkv=2,
+        dqk=dqk,
+        dvo=dqk,
+        page_size=16,
+        dtype=BF16,
+        causal=True,
+        device="cuda",
+    )
+    check_forced(case, issuer=1, dynamic=dynamic)
 
 
 @pytest.mark.gpu

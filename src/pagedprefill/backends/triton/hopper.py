@@ -59,6 +59,9 @@ class Config:
     # 1: row sums by a wgmma of P against a block of ones (the kernel's ROWSUM), 0: by each thread's FADDs;
     # -1: as `tensor_row_sums` decides
     rowsum: int = -1
+    # 1: with 16-bit K/V by TMA, one warp of its own issues every TMA copy and `ISSUER_GATHER_WARPS`
+    # warps gather the tiles across kv_len, in place of `load_warps` warps doing both in step
+    issuer: int = 0
 
     @property
     def BLOCK_M(self) -> int:
@@ -66,6 +69,9 @@ class Config:
 
 
 DEFAULT = Config()
+# with `issuer`: the warps that gather the tiles across kv_len (the issuing warp, these and one idle
+# warp make up the load warps' warpgroup, so the register split is unchanged)
+ISSUER_GATHER_WARPS = 2
 # off the work counter, chunks of 8 pairs: +6% on fp8 K/V (b8 q2k), +4% on its bf16 data and +3% on
 # 4k prompts, level elsewhere (heaviest first over more pairs: fewer light items left at the end)
 DYNAMIC_CHUNK = 8
@@ -328,6 +334,8 @@ def config(batch: PrefillBatch) -> Config:
         why = f"dynamic must be 0 or 1, got {cfg.dynamic}"
     elif cfg.split not in (0, 1):
         why = f"split must be 0 or 1, got {cfg.split}"
+    elif cfg.issuer not in (0, 1):
+        why = f"issuer must be 0 or 1, got {cfg.issuer}"
     elif cfg.rowsum not in (-1, 0, 1):
         why = f"rowsum must be -1, 0 or 1, got {cfg.rowsum}"
     elif cfg.rowsum == 1 and batch.fp8_q:
@@ -699,6 +707,7 @@ class HopperPlan:
         """The kernel's constexprs and launch options under ``cfg`` for a layout: K and V boxed by
         head rows (see :func:`_tma_plan`), K/V by TMA (else cp.async), Q by TMA."""
         batch = self.batch
+        issuer = bool(cfg.issuer) and use_tma and not (batch.fp8_kv or batch.fp8_q)
         if not use_tma and cfg.split and batch.head_dim_vo > 128 and cfg.BLOCK_N == 64 and stages(batch, cfg) == 2:
             # (strides the TMA cannot box: without the split two 64-key stages leave the loads exposed)
             cfg = replace(cfg, BLOCK_N=D256["BLOCK_N"], stages=D256["stages"], split=0)
@@ -712,7 +721,7 @@ class HopperPlan:
             CAUSAL=batch.causal,
             HAS_LSE=batch.has_lse,
             STAGES=stages(batch, cfg),
-            LOAD_WARPS=cfg.load_warps,
+            LOAD_WARPS=ISSUER_GATHER_WARPS if issuer else cfg.load_warps,
             CONS_REGS=cfg.consumer_regs,
             LOAD_REGS=cfg.load_regs,
             USE_TMA=use_tma,
@@ -731,6 +740,7 @@ class HopperPlan:
             V_SCALED=batch.v_scaled,
             SPLIT=bool(cfg.split) and use_tma and not (batch.fp8_kv or batch.fp8_q),
             ROWSUM=tensor_row_sums(batch, cfg),
+            ISSUER=issuer,
             **(self._vector_mode[1] if self._vector_mode else _TABLE_MODE),
             num_warps=4,
         )

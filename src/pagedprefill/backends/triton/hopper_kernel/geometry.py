@@ -49,6 +49,9 @@ class Geometry:
     ROWSUM: gl.constexpr  # row sums by a wgmma of P against a block of ones (QSlots.ones), beside the PV
     # GEMM and rescaled with O, in place of each thread's ~32 FADD / FFMA a tile (the sum is then of P as
     # the PV GEMM reads it, in its dtype)
+    ISSUER: gl.constexpr  # 16-bit K/V by TMA: one warp of its own claims the items and issues every TMA
+    # copy; the LOAD_WARPS load warps only gather the tiles that cross kv_len
+    TMA_WARPS: gl.constexpr  # warps of the partition that issues the TMA copies (1 with ISSUER)
 
     @gluon.constexpr_function
     def __init__(
@@ -80,6 +83,7 @@ class Geometry:
         V_SCALED,
         SPLIT,
         ROWSUM,
+        ISSUER,
     ):
         self.GROUP = gl.constexpr(GROUP)
         self.PAGE_SIZE = gl.constexpr(PAGE_SIZE)
@@ -115,6 +119,8 @@ class Geometry:
         self.V_SCALED = gl.constexpr(V_SCALED)
         self.SPLIT = gl.constexpr(SPLIT)
         self.ROWSUM = gl.constexpr(ROWSUM)
+        self.ISSUER = gl.constexpr(ISSUER)
+        self.TMA_WARPS = gl.constexpr(1 if ISSUER else LOAD_WARPS)
 
 
 @aggregate

@@ -9,7 +9,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from .buffers import KVRing, QSlots, Staging, _layout
 from .consumer import OutSink, _consumer_partition
 from .geometry import Geometry
-from .loads import KVSource, _load_partition
+from .loads import KVSource, _gather_partition, _issue_partition, _load_partition
 from .merge import PART_OFFSET
 from .rows import sequence_rows
 from .schedule import ITEM_RING, Schedule
@@ -139,6 +139,7 @@ def attention_kernel(
     V_SCALED: gl.constexpr,
     SPLIT: gl.constexpr,
     ROWSUM: gl.constexpr,
+    ISSUER: gl.constexpr,
     VECTORS: gl.constexpr,
     CSR: gl.constexpr,
     HAS_OO: gl.constexpr,
@@ -187,7 +188,9 @@ def attention_kernel(
         V_SCALED,
         SPLIT,
         ROWSUM,
+        ISSUER,
     )
+    gl.static_assert(not ISSUER or (USE_TMA and STAGING == 0 and not F8), "ISSUER needs 16-bit K/V by TMA")
     dtype: gl.constexpr = Q.dtype.element_ty
     # (rows swizzled over their bytes, at most 128: 16-bit 32-column parts and 8-bit 64-column tiles
     # take 64; the host's TMA descriptors use the same)
@@ -257,7 +260,7 @@ def attention_kernel(
     item_empty = gl.allocate_shared_memory(gl.int64, [ITEM_RING, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(ITEM_RING):
         mbarrier.init(item_full.index(i), count=1)
-        mbarrier.init(item_empty.index(i), count=NC)
+        mbarrier.init(item_empty.index(i), count=NC + (1 if ISSUER else 0))  # (ISSUER: the gather warps read it too)
     # Q_TMA: the load warps copy each item's Q (full, by bytes) once every consumer's last QK GEMM of
     # the item before is done (empty)
     if Q_TMA:
@@ -371,7 +374,19 @@ def attention_kernel(
     R0: gl.constexpr = 0
     R1: gl.constexpr = geo.SUB_M
     R2: gl.constexpr = 2 * geo.SUB_M
-    if NC == 2:
+    # (ISSUER: the gather warps and the issuing warp share one warpgroup and its registers)
+    if NC == 2 and ISSUER:
+        gl.warp_specialize(
+            [
+                (_consumer_partition, (sched, ring, slots, out, R0, geo)),
+                (_consumer_partition, (sched, ring, slots, out, R1, geo)),
+                (_gather_partition, (sched, ring, src, geo)),
+                (_issue_partition, (sched, ring, slots, src, k_desc, k1_desc, v_desc, v1_desc, q_desc, geo)),
+            ],
+            [4, LOAD_WARPS, 1],
+            [CONS_REGS, LOAD_REGS, LOAD_REGS],
+        )
+    elif NC == 2:
         gl.warp_specialize(
             [
                 (_consumer_partition, (sched, ring, slots, out, R0, geo)),
@@ -380,6 +395,18 @@ def attention_kernel(
             ],
             [4, LOAD_WARPS],
             [CONS_REGS, LOAD_REGS],
+        )
+    elif ISSUER:
+        gl.warp_specialize(
+            [
+                (_consumer_partition, (sched, ring, slots, out, R0, geo)),
+                (_consumer_partition, (sched, ring, slots, out, R1, geo)),
+                (_consumer_partition, (sched, ring, slots, out, R2, geo)),
+                (_gather_partition, (sched, ring, src, geo)),
+                (_issue_partition, (sched, ring, slots, src, k_desc, k1_desc, v_desc, v1_desc, q_desc, geo)),
+            ],
+            [4, 4, LOAD_WARPS, 1],
+            [CONS_REGS, CONS_REGS, LOAD_REGS, LOAD_REGS],
         )
     else:
         gl.warp_specialize(

@@ -64,10 +64,10 @@ class KVSource:
         self.v_head_off = v_head_off
 
     @gluon.jit
-    def rows(self, w: WorkItem, t, geo: Geometry, LD: gl.constexpr):
-        """Element offsets (int64) of key tile t's K and V rows, as rows of layout LD, and the mask
-        of rows below ``hi``."""
-        cols = t * geo.BLOCK_N + gl.arange(0, geo.BLOCK_N, gl.SliceLayout(1, LD))
+    def rows(self, w: WorkItem, t, r0, R: gl.constexpr, geo: Geometry, LD: gl.constexpr):
+        """Element offsets (int64) of rows [r0, r0 + R) of key tile t's K and V, as rows of layout LD,
+        and the mask of rows below ``hi``."""
+        cols = t * geo.BLOCK_N + r0 + gl.arange(0, R, gl.SliceLayout(1, LD))
         ok = cols < w.hi
         if geo.PAGE_SIZE == 0:
             k_off = (w.k_start + cols).to(gl.int64) * self.stride_kn
@@ -86,14 +86,49 @@ class KVSource:
     def gather(self, k_buf, k1_buf, v_buf, v1_buf, w: WorkItem, t, geo: Geometry, K: gl.constexpr, V: gl.constexpr):
         """cp.async copies of key tile t's K rows (K: columns [0, DQ0) into k_buf, [DQ0, DQ0 + DQ1)
         into k1_buf) and V rows (V: likewise into v_buf and v1_buf); rows at or past ``hi``
-        zero-filled."""
+        zero-filled. Fewer than four load warps take the rows in passes, so that each thread holds
+        as many offsets at a time as with four (more spill their registers)."""
+        R: gl.constexpr = _gather_rows(geo.BLOCK_N, geo.LOAD_WARPS)
+        for p in gl.static_range(geo.BLOCK_N // R):
+            if p > 0:  # (else ptxas computes every pass's offsets first, and spills them)
+                gl.thread_barrier()
+            self._gather_rows(
+                k_buf.slice(p * R, R),
+                k1_buf.slice(p * R, R),
+                v_buf.slice(p * R, R),
+                v1_buf.slice(p * R, R),
+                w,
+                t,
+                p * R,
+                R,
+                geo,
+                K,
+                V,
+            )
+
+    @gluon.jit
+    def _gather_rows(
+        self,
+        k_buf,
+        k1_buf,
+        v_buf,
+        v1_buf,
+        w: WorkItem,
+        t,
+        r0,
+        R: gl.constexpr,
+        geo: Geometry,
+        K: gl.constexpr,
+        V: gl.constexpr,
+    ):
+        """:meth:`gather` of rows [r0, r0 + R) of the tile into buffers of R rows."""
         LD: gl.constexpr = _chunk_layout(geo.DQ0, geo.VEC, geo.LOAD_WARPS)
-        k_off, v_off, ok = self.rows(w, t, geo, LD)
+        k_off, v_off, ok = self.rows(w, t, r0, R, geo, LD)
         if K:
             _copy_cols(self.K, k_buf, k_off, ok, 0, geo.DQ0, LD)
             if geo.DQ1 > 0:
                 LD1: gl.constexpr = _chunk_layout(geo.DQ1, geo.VEC, geo.LOAD_WARPS)
-                k1_off, _, ok1 = self.rows(w, t, geo, LD1)
+                k1_off, _, ok1 = self.rows(w, t, r0, R, geo, LD1)
                 _copy_cols(self.K, k1_buf, k1_off, ok1, geo.DQ0, geo.DQ1, LD1)
         if not V:
             pass
@@ -101,12 +136,18 @@ class KVSource:
             _copy_cols(self.V, v_buf, v_off, ok, 0, geo.DV0, LD)
         else:
             LDV: gl.constexpr = _chunk_layout(geo.DV0, geo.VEC, geo.LOAD_WARPS)
-            _, vv_off, okv = self.rows(w, t, geo, LDV)
+            _, vv_off, okv = self.rows(w, t, r0, R, geo, LDV)
             _copy_cols(self.V, v_buf, vv_off, okv, 0, geo.DV0, LDV)
         if geo.DV1 > 0 and V:
             LDV1: gl.constexpr = _chunk_layout(geo.DV1, geo.VEC, geo.LOAD_WARPS)
-            _, v1_off, okv1 = self.rows(w, t, geo, LDV1)
+            _, v1_off, okv1 = self.rows(w, t, r0, R, geo, LDV1)
             _copy_cols(self.V, v1_buf, v1_off, okv1, geo.DV0, geo.DV1, LDV1)
+
+
+@gluon.constexpr_function
+def _gather_rows(block_n, warps):
+    """Rows a gather pass copies: the tile's with four load warps or more, a share of it with fewer."""
+    return block_n if warps >= 4 else block_n * warps // 4
 
 
 @gluon.constexpr_function
@@ -174,7 +215,7 @@ def _tile_pages(src: KVSource, w: WorkItem, t, geo: Geometry, MASKED: gl.constex
     thread holding all of them (one load latency a tile, not one a box), clamped into the cache;
     MASKED: boxes at or past kv_len (a tile that may be the gathered one) read as page 0."""
     NB: gl.constexpr = geo.BLOCK_N // geo.PAGE_BOX
-    pos = t * geo.BLOCK_N + gl.arange(0, NB, _pages_layout(NB, geo.LOAD_WARPS)) * geo.PAGE_BOX
+    pos = t * geo.BLOCK_N + gl.arange(0, NB, _pages_layout(NB, geo.TMA_WARPS)) * geo.PAGE_BOX
     if MASKED:
         ids = gl.load(w.BT_row + pos // geo.PAGE_SIZE, mask=pos < w.kv_len, other=0)
     else:
@@ -210,7 +251,7 @@ def _tma_tile(
     PAGE_SIZE: gl.constexpr = geo.PAGE_SIZE
     PAGE_BOX: gl.constexpr = geo.PAGE_BOX
     NB: gl.constexpr = geo.BLOCK_N // PAGE_BOX
-    box = gl.arange(0, NB, _pages_layout(NB, geo.LOAD_WARPS))
+    box = gl.arange(0, NB, _pages_layout(NB, geo.TMA_WARPS))
     for p in gl.static_range(NB):
         pos = t * geo.BLOCK_N + p * PAGE_BOX
         if PAGE_SIZE == 0:
@@ -361,6 +402,140 @@ def _widen(stg: Staging, slot, ring: KVRing, s, geo: Geometry):
 
 
 @gluon.jit
+def _load_span(sched: Schedule, w: WorkItem, geo: Geometry):
+    """Item w's first key tile to load and how many from there (a share's first tile; with a window,
+    tiles wholly below every row's window are never loaded)."""
+    t_lo = w.t0
+    if geo.WINDOW:
+        t_win, _ = _window_range(w.row0, w.q_len, w.kv_len, w.n_tiles, sched.window, geo.BLOCK_M, geo)
+        t_lo = gl.maximum(t_win, t_lo)
+    return t_lo, w.n_tiles - t_lo
+
+
+@gluon.jit
+def _tma_kv(
+    ring: KVRing, s, v_phase, src: KVSource, w: WorkItem, t, ids, k_desc, k1_desc, v_desc, v1_desc, geo: Geometry
+):
+    """16-bit K/V: key tile t (wholly below kv_len) into ring stage s by TMA, once the stage is free
+    (the caller waited for it; SPLIT: K on barrier s, V on STAGES + s once V's slot is free too,
+    ``v_phase`` being its empty barrier's phase)."""
+    STAGES: gl.constexpr = geo.STAGES
+    BLOCK_N: gl.constexpr = geo.BLOCK_N
+    if geo.SPLIT:
+        mbarrier.expect(ring.full.index(s), 2 * BLOCK_N * (geo.DQ0 + geo.DQ1))
+        _tma_tile(ring, s, ring.full.index(s), src, w, t, ids, k_desc, k1_desc, v_desc, v1_desc, geo, True, False)
+        mbarrier.wait(ring.empty.index(STAGES + s), v_phase)
+        mbarrier.expect(ring.full.index(STAGES + s), 2 * BLOCK_N * geo.DVO)
+        _tma_tile(
+            ring, s, ring.full.index(STAGES + s), src, w, t, ids, k_desc, k1_desc, v_desc, v1_desc, geo, False, True
+        )
+    else:
+        mbarrier.expect(ring.full.index(s), 2 * BLOCK_N * (geo.DQ0 + geo.DQ1 + geo.DVO))
+        _tma_tile(ring, s, ring.full.index(s), src, w, t, ids, k_desc, k1_desc, v_desc, v1_desc, geo, True, True)
+
+
+@gluon.jit
+def _gather_tail(ring: KVRing, s, v_phase, src: KVSource, w: WorkItem, t, geo: Geometry):
+    """16-bit K/V by TMA: key tile t, the one across kv_len, gathered into ring stage s by cp.async
+    (rows past the keys zero-filled, so stale cache slots never reach the PV GEMM) and signalled once
+    every copy of the calling partition landed (SPLIT: once V's slot is free too)."""
+    if geo.SPLIT:  # (the tile's K and V gathered together)
+        mbarrier.wait(ring.empty.index(geo.STAGES + s), v_phase)
+    src.gather(ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo, True, True)
+    async_copy.commit_group()
+    async_copy.wait_group(0)
+    # (the gathered tile's generic writes before the consumers' wgmma: with TMA tiles the consumers do
+    # not fence. Every thread fences its own copies, then the group syncs before the one elected
+    # arrive: Triton's barrier after the wait would otherwise stand before the fences, and the
+    # arrive's own sync is then left out)
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(ring.full.index(s))
+    if geo.SPLIT:
+        mbarrier.arrive(ring.full.index(geo.STAGES + s))
+
+
+@gluon.jit
+def _issue_partition(
+    sched: Schedule,
+    ring: KVRing,
+    slots: QSlots,
+    src: KVSource,
+    k_desc,
+    k1_desc,
+    v_desc,
+    v1_desc,
+    q_desc,
+    geo: Geometry,
+):
+    """ISSUER, one warp: claims the items (dynamic: hands them on), copies each item's Q and its key
+    tiles wholly below kv_len by TMA; the tile across kv_len is the gather warps'
+    (:func:`_gather_partition`). One warp issues the copies with no partition-wide barrier between
+    them, where load warps in step pay one before every copy (Triton's shared-memory barrier
+    analysis), and with no copy of the box arithmetic on other warps."""
+    STAGES: gl.constexpr = geo.STAGES
+    c = gl.program_id(0) * 0  # tiles this program has loaded so far
+    r = gl.program_id(0) * 0  # rounds (items) so far
+    item = sched.claim(r)
+    while sched.more(item, r):
+        if sched.dynamic != 0:
+            sched.post(item, r, 1)
+        w = sched.work_item(item, geo, False)
+        t_lo, n_load = _load_span(sched, w, geo)
+        q_at = gl.minimum(n_load, STAGES - 2)  # (see _load_partition)
+        for i in range(n_load):
+            t = t_lo + i
+            s = (c + i) % STAGES
+            phase = (((c + i) // STAGES) & 1) ^ 1
+            ids = t
+            if geo.PAGE_SIZE > 0:  # (before the wait, its latency under it)
+                ids = _tile_pages(src, w, t, geo, True)
+            mbarrier.wait(ring.empty.index(s), phase)
+            if geo.Q_TMA:
+                if i == q_at:
+                    _issue_q(q_desc, slots, w, r, geo)
+            if (t + 1) * geo.BLOCK_N <= w.kv_len:
+                _tma_kv(ring, s, phase, src, w, t, ids, k_desc, k1_desc, v_desc, v1_desc, geo)
+        if geo.Q_TMA:
+            if q_at == n_load:
+                _issue_q(q_desc, slots, w, r, geo)
+        c += n_load
+        r += 1
+        item = sched.claim(r)
+    if sched.dynamic != 0:  # (item >= total: the consumers' and gather warps' stop)
+        sched.reset(item)
+        sched.post(item, r, 1)
+
+
+@gluon.jit
+def _gather_partition(sched: Schedule, ring: KVRing, src: KVSource, geo: Geometry):
+    """ISSUER: the load warps gather each item's tile across kv_len (only an item's last tile can
+    cross it), following the items as the consumers do. A wait on a stage's empty barrier tests a phase's
+    parity only, so it may not run two phases ahead: waiting for tile n is safe once the consumers
+    released tile n - 2 STAGES. They release tiles in order, so the gather warps wait for every
+    STAGES-th tile of an item and its last (a warp that ran ahead to an item's last tile would take
+    a stage the consumers still read)."""
+    STAGES: gl.constexpr = geo.STAGES
+    c = gl.program_id(0) * 0
+    r = gl.program_id(0) * 0
+    item = sched.take(r, geo.LOAD_WARPS)
+    while sched.more(item, r):
+        w = sched.work_item(item, geo, False)
+        t_lo, n_load = _load_span(sched, w, geo)
+        for i in range(0, n_load, STAGES):
+            mbarrier.wait(ring.empty.index((c + i) % STAGES), (((c + i) // STAGES) & 1) ^ 1)
+        t = t_lo + n_load - 1
+        if (n_load > 0) & ((t + 1) * geo.BLOCK_N > w.kv_len):
+            n = c + n_load - 1
+            phase = ((n // STAGES) & 1) ^ 1
+            mbarrier.wait(ring.empty.index(n % STAGES), phase)
+            _gather_tail(ring, n % STAGES, phase, src, w, t, geo)
+        c += n_load
+        r += 1
+        item = sched.take(r, geo.LOAD_WARPS)
+
+
+@gluon.jit
 def _load_partition(
     sched: Schedule,
     ring: KVRing,
@@ -400,11 +575,7 @@ def _load_partition(
         if sched.dynamic != 0:
             sched.post(item, r, geo.LOAD_WARPS)
         w = sched.work_item(item, geo, False)
-        t_lo = w.t0  # (a share's first tile)
-        if geo.WINDOW:  # (tiles wholly below every row's window are never loaded)
-            t_win, _ = _window_range(w.row0, w.q_len, w.kv_len, w.n_tiles, sched.window, geo.BLOCK_M, geo)
-            t_lo = gl.maximum(t_win, t_lo)
-        n_load = w.n_tiles - t_lo
+        t_lo, n_load = _load_span(sched, w, geo)
         # (Q_TMA: the item's Q goes out once its tile STAGES - 2 has a stage: the consumers have then
         # released the tile two before it, so when the last item had >= 2 tiles they are past its last
         # QK GEMM; with O_STAGE they hand the slots back only after the last item's epilogue read O
@@ -475,36 +646,12 @@ def _load_partition(
                 _transpose_v(stg.v.index((c + i) % S8), ring.v.index(s), geo)
                 fence_async_shared()  # (V's generic writes before the consumers' wgmma)
                 mbarrier.arrive(ring.full.index(s))
-            elif geo.USE_TMA:  # (SPLIT: K on barrier s, V on STAGES + s once the consumers released V's slot)
+            elif geo.USE_TMA:
                 v_empty_phase = (((c + i) // STAGES) & 1) ^ 1
                 if (t + 1) * BLOCK_N <= w.kv_len:
-                    descs = (k_desc, k1_desc, v_desc, v1_desc)
-                    if geo.SPLIT:
-                        mbarrier.expect(ring.full.index(s), 2 * BLOCK_N * (DQ0 + DQ1))
-                        _tma_tile(ring, s, ring.full.index(s), src, w, t, ids, *descs, geo, True, False)
-                        mbarrier.wait(ring.empty.index(STAGES + s), v_empty_phase)
-                        mbarrier.expect(ring.full.index(STAGES + s), 2 * BLOCK_N * geo.DVO)
-                        _tma_tile(ring, s, ring.full.index(STAGES + s), src, w, t, ids, *descs, geo, False, True)
-                    else:
-                        mbarrier.expect(ring.full.index(s), 2 * BLOCK_N * (DQ0 + DQ1 + geo.DVO))
-                        _tma_tile(ring, s, ring.full.index(s), src, w, t, ids, *descs, geo, True, True)
+                    _tma_kv(ring, s, v_empty_phase, src, w, t, ids, k_desc, k1_desc, v_desc, v1_desc, geo)
                 else:
-                    if geo.SPLIT:  # (the tile's K and V gathered together, once V's slot is free)
-                        mbarrier.wait(ring.empty.index(STAGES + s), v_empty_phase)
-                    src.gather(
-                        ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo, True, True
-                    )
-                    async_copy.commit_group()
-                    async_copy.wait_group(0)
-                    # (the gathered tile's generic writes before the consumers' wgmma: with TMA tiles the
-                    # consumers do not fence. Every load thread fences its own copies, then the group
-                    # syncs before the one elected arrive: Triton's barrier after the wait would
-                    # otherwise stand before the fences, and the arrive's own sync is then left out)
-                    fence_async_shared()
-                    gl.thread_barrier()
-                    mbarrier.arrive(ring.full.index(s))
-                    if geo.SPLIT:
-                        mbarrier.arrive(ring.full.index(STAGES + s))
+                    _gather_tail(ring, s, v_empty_phase, src, w, t, geo)
             else:
                 src.gather(ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo, True, True)
                 async_copy.mbarrier_arrive(ring.full.index(s), increment_count=False)

@@ -117,20 +117,22 @@ class Schedule:
         gl.atomic_xchg(self.counter, 0, mask=last, sem="relaxed")
 
     @gluon.jit
-    def post(self, item, r, LOAD_WARPS: gl.constexpr):
-        """Load warps (dynamic): hand round r's item to the consumers through slot r % ITEM_RING."""
+    def post(self, item, r, WARPS: gl.constexpr):
+        """The claiming partition of WARPS warps (dynamic): hand round r's item to the consumers (and
+        with ``Geometry.ISSUER`` the gather warps) through slot r % ITEM_RING."""
         slot = r % ITEM_RING
         mbarrier.wait(self.item_empty.index(slot), ((r // ITEM_RING) & 1) ^ 1)
-        self.item_ids.index(slot).store(gl.full([1], item, gl.int32, gl.BlockedLayout([1], [32], [LOAD_WARPS], [0])))
+        self.item_ids.index(slot).store(gl.full([1], item, gl.int32, gl.BlockedLayout([1], [32], [WARPS], [0])))
         mbarrier.arrive(self.item_full.index(slot))
 
     @gluon.jit
-    def take(self, r):
-        """Consumers: round r's item: the static round's, or (dynamic) the load warps' pick."""
+    def take(self, r, WARPS: gl.constexpr = 4):
+        """Consumers (and the gather warps of a partition of WARPS warps): round r's item: the static
+        round's, or (dynamic) the claiming partition's pick."""
         if self.dynamic != 0:
             slot = r % ITEM_RING
             mbarrier.wait(self.item_full.index(slot), (r // ITEM_RING) & 1)
-            item = gl.max(self.item_ids.index(slot).load(gl.BlockedLayout([1], [32], [4], [0])), 0)
+            item = gl.max(self.item_ids.index(slot).load(gl.BlockedLayout([1], [32], [WARPS], [0])), 0)
             mbarrier.arrive(self.item_empty.index(slot))
         else:
             item = self.round_item(r)
