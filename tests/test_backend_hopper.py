@@ -770,6 +770,7 @@ SPECS = [  # (the cases' 7-token queries at GQA 4 take NARROW at D 128 unless th
     (192, 16, True, "bfloat16", 128, dict(kv_dtype="float8_e4m3fn", logits_soft_cap=30.0)),
     (128, 16, True, "float8_e4m3fn", 128, {}),  # e4m3 q, k and v: 8-bit wgmmas, V transposed
     (64, 1, False, "float8_e4m3fn", 64, dict(window_left=40)),
+    (64, 1, True, "float8_e4m3fn", 64, dict(consumers=2, BLOCK_N=128, consumer_regs=224)),  # (K gathered whole)
     # device lengths and offsets read by the kernel in place of the metadata table
     (128, 0, True, "bfloat16", 128, dict(vectors=True, dynamic=1)),
     (128, 16, True, "bfloat16", 128, dict(vectors=True)),

@@ -89,22 +89,25 @@ class KVSource:
         zero-filled. Fewer than four load warps take the rows in passes, so that each thread holds
         as many offsets at a time as with four (more spill their registers)."""
         R: gl.constexpr = _gather_rows(geo.BLOCK_N, geo.LOAD_WARPS)
-        for p in gl.static_range(geo.BLOCK_N // R):
-            if p > 0:  # (else ptxas computes every pass's offsets first, and spills them)
-                gl.thread_barrier()
-            self._gather_rows(
-                k_buf.slice(p * R, R),
-                k1_buf.slice(p * R, R),
-                v_buf.slice(p * R, R),
-                v1_buf.slice(p * R, R),
-                w,
-                t,
-                p * R,
-                R,
-                geo,
-                K,
-                V,
-            )
+        if R == geo.BLOCK_N:  # (the buffers whole: with fp8 q, V's is transposed and not sliced by rows)
+            self._gather_rows(k_buf, k1_buf, v_buf, v1_buf, w, t, 0, R, geo, K, V)
+        else:
+            for p in gl.static_range(geo.BLOCK_N // R):
+                if p > 0:  # (else ptxas computes every pass's offsets first, and spills them)
+                    gl.thread_barrier()
+                self._gather_rows(
+                    k_buf.slice(p * R, R),
+                    k1_buf.slice(p * R, R),
+                    v_buf.slice(p * R, R),
+                    v1_buf.slice(p * R, R),
+                    w,
+                    t,
+                    p * R,
+                    R,
+                    geo,
+                    K,
+                    V,
+                )
 
     @gluon.jit
     def _gather_rows(
