@@ -4,10 +4,11 @@
 
 Each spec is a named shape (``SHAPES``) with optional Hopper knobs after a colon. The real launch of a
 small batch of that shape is compiled for sm_90a (Triton's ptxas), disassembled (cuobjdump), and
-printed: shared memory, spill stores, and the opcode counts of the consumers' key loop (the
+printed: shared memory, spill stores, the opcode counts of the consumers' key loop (the
 innermost loop holding wgmmas, once per consumer warpgroup's code: both its masked and unmasked tile
-paths). Counts are static instructions, not executed ones: compare two trees or two knob sets with
-them (``PYTHONPATH=_ab/NAME/src``) before spending device time, then time what they suggest.
+paths) and of the loop that issues the K/V tiles' TMA copies (all its paths; every warp of its
+partition runs it). Counts are static instructions, not executed ones: compare two trees or two knob
+sets with them (``PYTHONPATH=_ab/NAME/src``) before spending device time, then time what they suggest.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ SHAPES = {
     "f8": (128, 128, 16, torch.float8_e4m3fn, None, True),
 }
 SHOWN = ("HGMMA", "QGMMA", "MUFU", "FFMA", "FMUL", "FADD", "FMNMX", "F2FP", "SHFL", "BAR", "LDL", "STL")
+TMA_SHOWN = ("UTMALDG", "BAR", "ELECT", "VOTEU", "LDGSTS", "LDL", "STL")
 _INS = re.compile(r"\s*/\*([0-9a-f]+)\*/\s+(.*?);")
 
 
@@ -54,8 +56,8 @@ def _opcode(text: str) -> str:
     return op.split(".")[0]
 
 
-def key_loop(sass: str) -> collections.Counter:
-    """Opcodes of the innermost backward-branch body that holds a wgmma (the first consumer's key loop)."""
+def innermost_loop(sass: str, holds: str) -> collections.Counter:
+    """Opcodes of the innermost backward-branch body whose instructions include ``holds``."""
     ins = [(int(m.group(1), 16), m.group(2).strip()) for m in map(_INS.match, sass.splitlines()) if m]
     where = {a: i for i, (a, _) in enumerate(ins)}
     best = None
@@ -66,9 +68,20 @@ def key_loop(sass: str) -> collections.Counter:
         if not tgt or int(tgt.group(1), 16) >= a or int(tgt.group(1), 16) not in where:
             continue
         body = ins[where[int(tgt.group(1), 16)] : i + 1]
-        if any("GMMA" in t for _, t in body) and (best is None or len(body) < len(best)):
+        if any(holds in t for _, t in body) and (best is None or len(body) < len(best)):
             best = body
     return collections.Counter(_opcode(t) for _, t in best or [])
+
+
+def key_loop(sass: str) -> collections.Counter:
+    """Opcodes of the first consumer's key loop (the innermost loop that holds a wgmma)."""
+    return innermost_loop(sass, "GMMA")
+
+
+def tma_loop(sass: str) -> collections.Counter:
+    """Opcodes of the innermost loop that issues K/V TMA copies (the load warps' tile loop, or the
+    issuing warp's with ``issuer``): all its paths, the cp.async gather's included where it is there."""
+    return innermost_loop(sass, "UTMALDG.2D")
 
 
 def compile_sm90(kernel, args: tuple, kwargs: dict):
@@ -114,7 +127,12 @@ def compile_spec(spec: str, workdir: str) -> str:
     spill = max([int(x) for x in re.findall(r"(\d+) bytes spill stores", log)] or [0])
     loop = key_loop(sass)
     shown = " ".join(f"{op}={loop[op]}" for op in SHOWN if loop[op])
-    return f"{spec:28s} shared {c.metadata.shared:6d} B, spill {spill:4d} B | key loop {sum(loop.values()):4d}: {shown}"
+    tma = tma_loop(sass)
+    tma_shown = " ".join(f"{op}={tma[op]}" for op in TMA_SHOWN if tma[op])
+    return (
+        f"{spec:28s} shared {c.metadata.shared:6d} B, spill {spill:4d} B | key loop {sum(loop.values()):4d}: {shown}"
+        + (f" | TMA loop {sum(tma.values()):4d}: {tma_shown}" if tma else "")
+    )
 
 
 def main() -> int:

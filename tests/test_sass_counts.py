@@ -1,5 +1,5 @@
-"""scripts/sass_counts.py: the key loop found in SASS, and the row sums' wgmma visible in it (compiled
-for sm_90 on the CPU)."""
+"""scripts/sass_counts.py: the key loop and the TMA issuing loop found in SASS, the row sums' wgmma
+and the one issuing warp visible in them (compiled for sm_90 on the CPU)."""
 
 import importlib.util
 import os
@@ -50,3 +50,36 @@ def test_row_sums_by_wgmma_trade_fadds_for_four_wgmmas(tmp_path):
     assert count(on, "HGMMA") == count(off, "HGMMA") + 4, res.stdout
     assert count(off, "FADD") - count(on, "FADD") >= 50, res.stdout
     assert int(on.split(":")[0]) < int(off.split(":")[0]), res.stdout
+
+
+def test_tma_loop_is_the_innermost_loop_issuing_tile_copies():
+    lines = [
+        "/*0000*/ UTMALDG.3D [UR8], [UR16] ;",  # (Q's copy, outside the tile loop)
+        "/*0010*/ BAR.SYNC.DEFER_BLOCKING 0x4, 0x80 ;",
+        "/*0020*/ @UP0 UTMALDG.2D [UR36], [UR8] ;",
+        "/*0030*/ ELECT P2, URZ, PT ;",
+        "/*0040*/ @P0 BRA 0x10 ;",  # (the tile loop: 0x10 .. 0x40)
+        "/*0050*/ BRA 0x0 ;",  # (the item loop)
+    ]
+    got = _module().tma_loop("\n".join(lines))
+    assert got == {"BAR": 1, "UTMALDG": 1, "ELECT": 1, "BRA": 1}
+
+
+def test_one_issuing_warp_copies_without_partition_barriers(tmp_path):
+    """D 64 with four load warps in step against one issuing warp (``issuer``): the loop that issues the
+    tiles' TMA copies loses its partition-wide barriers (one before every copy in step) and the
+    cp.async gather (now the gather warps'), and runs on one warp instead of four."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    cmd = [sys.executable, str(SCRIPT), "d64:issuer=0", "d64:issuer=1"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    step, alone = (line.split("TMA loop")[1] for line in res.stdout.splitlines())
+
+    def count(part, op):
+        return int(part.split(f" {op}=")[1].split()[0]) if f" {op}=" in part else 0
+
+    assert count(step, "BAR") >= 8 and count(alone, "BAR") == 0, res.stdout
+    assert count(step, "LDGSTS") > 0 and count(alone, "LDGSTS") == 0, res.stdout
+    assert count(alone, "UTMALDG") == count(step, "UTMALDG"), res.stdout
+    assert int(alone.split(":")[0]) < int(step.split(":")[0]) // 2, res.stdout
