@@ -17,6 +17,21 @@ def _module():
     return mod
 
 
+def _compile_specs(tmp_path, *specs: str) -> subprocess.CompletedProcess:
+    """The script run on ``specs`` in a process of its own (the interpreter, which the CPU tests run
+    under, replaces the kernels at import)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    res = subprocess.run([sys.executable, str(SCRIPT), *specs], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return res
+
+
+def count(part: str, op: str) -> int:
+    """An opcode's count in a printed ``OP=N`` list (0 where it is not printed)."""
+    return int(part.split(f" {op}=")[1].split()[0]) if f" {op}=" in part else 0
+
+
 def test_key_loop_is_the_innermost_loop_with_a_wgmma():
     lines = [
         "/*0000*/ MOV R1, c[0x0][0x28] ;",
@@ -35,18 +50,9 @@ def test_key_loop_is_the_innermost_loop_with_a_wgmma():
 
 def test_row_sums_by_wgmma_trade_fadds_for_four_wgmmas(tmp_path):
     """D 64 (no LSE) with and without the row sums' wgmma: 4 more HGMMA in the key loop (one per 16 keys
-    of a 64-key tile), ~60 fewer FADD, and fewer instructions in all. (A process of its own: the
-    interpreter, which the CPU tests run under, replaces the kernels at import.)"""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    cmd = [sys.executable, str(SCRIPT), "d64:rowsum=0", "d64:rowsum=1"]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    off, on = (line.split("key loop")[1] for line in res.stdout.splitlines())
-
-    def count(part, op):
-        return int(part.split(f" {op}=")[1].split()[0]) if f" {op}=" in part else 0
-
+    of a 64-key tile), ~60 fewer FADD, and fewer instructions in all."""
+    res = _compile_specs(tmp_path, "d64:rowsum=0", "d64:rowsum=1")
+    off, on = (line.split("key loop")[1].split("|")[0] for line in res.stdout.splitlines())
     assert count(on, "HGMMA") == count(off, "HGMMA") + 4, res.stdout
     assert count(off, "FADD") - count(on, "FADD") >= 50, res.stdout
     assert int(on.split(":")[0]) < int(off.split(":")[0]), res.stdout
@@ -69,16 +75,8 @@ def test_one_issuing_warp_copies_without_partition_barriers(tmp_path):
     """D 64 with four load warps in step against one issuing warp (``issuer``): the loop that issues the
     tiles' TMA copies loses its partition-wide barriers (one before every copy in step) and the
     cp.async gather (now the gather warps'), and runs on one warp instead of four."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    cmd = [sys.executable, str(SCRIPT), "d64:issuer=0", "d64:issuer=1"]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
+    res = _compile_specs(tmp_path, "d64:issuer=0", "d64:issuer=1")
     step, alone = (line.split("TMA loop")[1] for line in res.stdout.splitlines())
-
-    def count(part, op):
-        return int(part.split(f" {op}=")[1].split()[0]) if f" {op}=" in part else 0
-
     assert count(step, "BAR") >= 8 and count(alone, "BAR") == 0, res.stdout
     assert count(step, "LDGSTS") > 0 and count(alone, "LDGSTS") == 0, res.stdout
     assert count(alone, "UTMALDG") == count(step, "UTMALDG"), res.stdout
