@@ -707,7 +707,8 @@ class HopperPlan:
         """The kernel's constexprs and launch options under ``cfg`` for a layout: K and V boxed by
         head rows (see :func:`_tma_plan`), K/V by TMA (else cp.async), Q by TMA."""
         batch = self.batch
-        issuer = bool(cfg.issuer) and use_tma and not (batch.fp8_kv or batch.fp8_q)
+        tma16 = use_tma and not (batch.fp8_kv or batch.fp8_q)  # (16-bit K/V tiles by TMA)
+        issuer = bool(cfg.issuer) and tma16
         if not use_tma and cfg.split and batch.head_dim_vo > 128 and cfg.BLOCK_N == 64 and stages(batch, cfg) == 2:
             # (strides the TMA cannot box: without the split two 64-key stages leave the loads exposed)
             cfg = replace(cfg, BLOCK_N=D256["BLOCK_N"], stages=D256["stages"], split=0)
@@ -738,7 +739,7 @@ class HopperPlan:
             Q_SCALED=batch.q_scaled,
             K_SCALED=batch.k_scaled,
             V_SCALED=batch.v_scaled,
-            SPLIT=bool(cfg.split) and use_tma and not (batch.fp8_kv or batch.fp8_q),
+            SPLIT=bool(cfg.split) and tma16,
             ROWSUM=tensor_row_sums(batch, cfg),
             ISSUER=issuer,
             **(self._vector_mode[1] if self._vector_mode else _TABLE_MODE),

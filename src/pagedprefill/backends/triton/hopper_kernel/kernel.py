@@ -9,7 +9,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from .buffers import KVRing, QSlots, Staging, _layout
 from .consumer import OutSink, _consumer_partition
 from .geometry import Geometry
-from .loads import KVSource, _gather_partition, _issue_partition, _load_partition
+from .loads import KVSource, _gather_partition, _load_partition
 from .merge import PART_OFFSET
 from .rows import sequence_rows
 from .schedule import ITEM_RING, Schedule
@@ -381,7 +381,7 @@ def attention_kernel(
                 (_consumer_partition, (sched, ring, slots, out, R0, geo)),
                 (_consumer_partition, (sched, ring, slots, out, R1, geo)),
                 (_gather_partition, (sched, ring, src, geo)),
-                (_issue_partition, (sched, ring, slots, src, k_desc, k1_desc, v_desc, v1_desc, q_desc, geo)),
+                (_load_partition, (sched, ring, stg, slots, src, k_desc, k1_desc, v_desc, v1_desc, q_desc, geo)),
             ],
             [4, LOAD_WARPS, 1],
             [CONS_REGS, LOAD_REGS, LOAD_REGS],
@@ -403,7 +403,7 @@ def attention_kernel(
                 (_consumer_partition, (sched, ring, slots, out, R1, geo)),
                 (_consumer_partition, (sched, ring, slots, out, R2, geo)),
                 (_gather_partition, (sched, ring, src, geo)),
-                (_issue_partition, (sched, ring, slots, src, k_desc, k1_desc, v_desc, v1_desc, q_desc, geo)),
+                (_load_partition, (sched, ring, stg, slots, src, k_desc, k1_desc, v_desc, v1_desc, q_desc, geo)),
             ],
             [4, 4, LOAD_WARPS, 1],
             [CONS_REGS, CONS_REGS, LOAD_REGS, LOAD_REGS],

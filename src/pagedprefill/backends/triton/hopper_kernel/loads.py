@@ -459,65 +459,13 @@ def _gather_tail(ring: KVRing, s, v_phase, src: KVSource, w: WorkItem, t, geo: G
 
 
 @gluon.jit
-def _issue_partition(
-    sched: Schedule,
-    ring: KVRing,
-    slots: QSlots,
-    src: KVSource,
-    k_desc,
-    k1_desc,
-    v_desc,
-    v1_desc,
-    q_desc,
-    geo: Geometry,
-):
-    """ISSUER, one warp: claims the items (dynamic: hands them on), copies each item's Q and its key
-    tiles wholly below kv_len by TMA; the tile across kv_len is the gather warps'
-    (:func:`_gather_partition`). One warp issues the copies with no partition-wide barrier between
-    them, where load warps in step pay one before every copy (Triton's shared-memory barrier
-    analysis), and with no copy of the box arithmetic on other warps."""
-    STAGES: gl.constexpr = geo.STAGES
-    c = gl.program_id(0) * 0  # tiles this program has loaded so far
-    r = gl.program_id(0) * 0  # rounds (items) so far
-    item = sched.claim(r)
-    while sched.more(item, r):
-        if sched.dynamic != 0:
-            sched.post(item, r, 1)
-        w = sched.work_item(item, geo, False)
-        t_lo, n_load = _load_span(sched, w, geo)
-        q_at = gl.minimum(n_load, STAGES - 2)  # (see _load_partition)
-        for i in range(n_load):
-            t = t_lo + i
-            s = (c + i) % STAGES
-            phase = (((c + i) // STAGES) & 1) ^ 1
-            ids = t
-            if geo.PAGE_SIZE > 0:  # (before the wait, its latency under it)
-                ids = _tile_pages(src, w, t, geo, True)
-            mbarrier.wait(ring.empty.index(s), phase)
-            if geo.Q_TMA:
-                if i == q_at:
-                    _issue_q(q_desc, slots, w, r, geo)
-            if (t + 1) * geo.BLOCK_N <= w.kv_len:
-                _tma_kv(ring, s, phase, src, w, t, ids, k_desc, k1_desc, v_desc, v1_desc, geo)
-        if geo.Q_TMA:
-            if q_at == n_load:
-                _issue_q(q_desc, slots, w, r, geo)
-        c += n_load
-        r += 1
-        item = sched.claim(r)
-    if sched.dynamic != 0:  # (item >= total: the consumers' and gather warps' stop)
-        sched.reset(item)
-        sched.post(item, r, 1)
-
-
-@gluon.jit
 def _gather_partition(sched: Schedule, ring: KVRing, src: KVSource, geo: Geometry):
-    """ISSUER: the load warps gather each item's tile across kv_len (only an item's last tile can
-    cross it), following the items as the consumers do. A wait on a stage's empty barrier tests a phase's
-    parity only, so it may not run two phases ahead: waiting for tile n is safe once the consumers
-    released tile n - 2 STAGES. They release tiles in order, so the gather warps wait for every
-    STAGES-th tile of an item and its last (a warp that ran ahead to an item's last tile would take
-    a stage the consumers still read)."""
+    """ISSUER: these load warps gather each item's tile across kv_len (only an item's last tile can
+    cross it; :func:`_load_partition`, on one warp, issues the rest), following the items as the
+    consumers do. A wait on a stage's empty barrier tests a phase's parity only, so it may not run
+    two phases ahead: waiting for tile n is safe once the consumers released tile n - 2 STAGES. They
+    release tiles in order, so the gather warps wait for every STAGES-th tile of an item and its last
+    (a warp that ran ahead to an item's last tile would take a stage the consumers still read)."""
     STAGES: gl.constexpr = geo.STAGES
     c = gl.program_id(0) * 0
     r = gl.program_id(0) * 0
@@ -565,7 +513,12 @@ def _load_partition(
     being widened; the load warps widen each tile into its ring stage and signal it (count 1).
 
     F8: K's copies go straight into the ring as above; V's go into staging like KV8's, and the load
-    warps transpose each tile into its ring stage and arrive once more (count + 1)."""
+    warps transpose each tile into its ring stage and arrive once more (count + 1).
+
+    ISSUER (16-bit K/V by TMA): this partition is one warp, which claims the items and issues every
+    TMA copy with no partition-wide barrier between copies (load warps in step pay one before each:
+    Triton's shared-memory barrier analysis) and no box arithmetic repeated on other warps; the tile
+    across kv_len is :func:`_gather_partition`'s."""
     STAGES: gl.constexpr = geo.STAGES
     BLOCK_N: gl.constexpr = geo.BLOCK_N
     DQ0: gl.constexpr = geo.DQ0
@@ -576,7 +529,7 @@ def _load_partition(
     item = sched.claim(r)
     while sched.more(item, r):
         if sched.dynamic != 0:
-            sched.post(item, r, geo.LOAD_WARPS)
+            sched.post(item, r, geo.TMA_WARPS)
         w = sched.work_item(item, geo, False)
         t_lo, n_load = _load_span(sched, w, geo)
         # (Q_TMA: the item's Q goes out once its tile STAGES - 2 has a stage: the consumers have then
@@ -653,7 +606,7 @@ def _load_partition(
                 v_empty_phase = (((c + i) // STAGES) & 1) ^ 1
                 if (t + 1) * BLOCK_N <= w.kv_len:
                     _tma_kv(ring, s, v_empty_phase, src, w, t, ids, k_desc, k1_desc, v_desc, v1_desc, geo)
-                else:
+                elif not geo.ISSUER:  # (ISSUER: the gather warps' tile)
                     _gather_tail(ring, s, v_empty_phase, src, w, t, geo)
             else:
                 src.gather(ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo, True, True)
@@ -664,6 +617,6 @@ def _load_partition(
         c += n_load
         r += 1
         item = sched.claim(r)
-    if sched.dynamic != 0:  # (item >= total: the consumers' stop)
+    if sched.dynamic != 0:  # (item >= total: the consumers' and gather warps' stop)
         sched.reset(item)
-        sched.post(item, r, geo.LOAD_WARPS)
+        sched.post(item, r, geo.TMA_WARPS)
