@@ -54,16 +54,10 @@ def main() -> int:
         ),
         ("hopper d96 paged16 tma 64+32", dict(dqk=96, page_size=16, dtype=BF16), "triton", None),
         (
-            "hopper paged16 one issuing warp, two gathering",
-            dict(dqk=128, page_size=16, dtype=BF16),
-            "triton",
-            dict(hopper_knobs=dict(issuer=1)),
-        ),
-        (
-            "hopper d256 ragged one issuing warp, split stages",
+            "hopper d256 ragged split stages, work counter",
             dict(dqk=256, page_size=0, dtype=BF16),
             "triton",
-            dict(hopper_knobs=dict(issuer=1, dynamic=1)),
+            dict(hopper_knobs=dict(dynamic=1)),
         ),
         ("hopper d96 page1 cp.async gqa3", dict(dqk=96, page_size=1, dtype=F16, hq=6, hkv=2), "triton", None),
         ("hopper d256 paged16 tma", dict(dqk=256, page_size=16, dtype=BF16), "triton", None),

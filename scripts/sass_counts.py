@@ -38,6 +38,7 @@ from pagedprefill.backends.triton import hopper as hp  # noqa: E402
 # name: (Dqk, Dvo, page size, q dtype, kv dtype or None, return_lse)
 SHAPES = {
     "d128": (128, 128, 16, torch.bfloat16, None, True),
+    "p64": (128, 128, 64, torch.bfloat16, None, True),
     "d64": (64, 64, 16, torch.bfloat16, None, False),
     "d96": (96, 96, 16, torch.bfloat16, None, True),
     "d256": (256, 256, 16, torch.bfloat16, None, True),
@@ -79,8 +80,8 @@ def key_loop(sass: str) -> collections.Counter:
 
 
 def tma_loop(sass: str) -> collections.Counter:
-    """Opcodes of the innermost loop that issues K/V TMA copies (the load warps' tile loop, or the
-    issuing warp's with ``issuer``): all its paths, the cp.async gather's included where it is there."""
+    """Opcodes of the innermost loop that issues K/V TMA copies (the load warps' tile loop: the
+    issuing warp's with 16-bit K/V): all its paths, the cp.async gather's included where it is there."""
     return innermost_loop(sass, "UTMALDG.2D")
 
 

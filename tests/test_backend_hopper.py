@@ -58,7 +58,6 @@ def test_config_knobs_are_validated():
         (dict(dynamic=2), "dynamic must be 0 or 1"),
         (dict(shares=65), "shares must be in"),
         (dict(rowsum=2), "rowsum must be -1, 0 or 1"),
-        (dict(issuer=2), "issuer must be 0 or 1"),
     ):
         with tuning.override("hopper", **bad), pytest.raises(ValueError, match=msg):
             hp.config(batch)
@@ -68,20 +67,21 @@ def test_config_knobs_are_validated():
 
 
 def test_one_warp_issues_the_copies_only_where_they_are_tma_copies_of_16_bit_tiles():
-    """``issuer``: the load warps' warpgroup becomes one issuing warp and two gather warps where K/V
-    tiles come by TMA in q's dtype; the 8-bit paths (widened or transposed by every load warp) and the
-    cp.async gather keep their load warps."""
-    with tuning.override("hopper", issuer=1):
-        plan = hp.HopperPlan(batch_of(_case(dtype=BF16)))
-        tma = plan._kernel_constexprs(plan.cfg, False, False, True, True)
-        assert tma["ISSUER"] and tma["LOAD_WARPS"] == hp.ISSUER_GATHER_WARPS
-        gather = plan._kernel_constexprs(plan.cfg, False, False, False, False)
-        assert not gather["ISSUER"] and gather["LOAD_WARPS"] == plan.cfg.load_warps
-        kv8 = hp.HopperPlan(batch_of(_case(dtype=BF16, kv_dtype=E4M3)))
-        widened = kv8._kernel_constexprs(kv8.cfg, False, False, True, True)
-        assert not widened["ISSUER"] and widened["LOAD_WARPS"] == kv8.cfg.load_warps
+    """The load warps' warpgroup is one issuing warp and two gather warps where K/V tiles of <= 64 keys
+    come by TMA in q's dtype; 128-key tiles, the 8-bit paths (widened or transposed by every load warp)
+    and the cp.async gather keep their load warps."""
     plan = hp.HopperPlan(batch_of(_case(dtype=BF16)))
-    assert not plan._kernel_constexprs(plan.cfg, False, False, True, True)["ISSUER"]
+    tma = plan._kernel_constexprs(plan.cfg, False, False, True, True)
+    assert tma["ISSUER"] and tma["LOAD_WARPS"] == hp.ISSUER_GATHER_WARPS
+    gather = plan._kernel_constexprs(plan.cfg, False, False, False, False)
+    assert not gather["ISSUER"] and gather["LOAD_WARPS"] == plan.cfg.load_warps
+    with tuning.override("hopper", wide=1):  # (128-key tiles: the load warps in step)
+        wide = hp.HopperPlan(batch_of(_case(dtype=BF16)))
+        assert wide.cfg.BLOCK_N == 128 and not wide._kernel_constexprs(wide.cfg, False, False, True, True)["ISSUER"]
+    for kv, q in ((E4M3, BF16), (E4M3, E4M3)):
+        p8 = hp.HopperPlan(batch_of(_case(dtype=q, kv_dtype=kv)))
+        eight = p8._kernel_constexprs(p8.cfg, False, False, True, True)
+        assert not eight["ISSUER"] and eight["LOAD_WARPS"] == p8.cfg.load_warps
 
 
 def test_row_sums_on_the_tensor_cores_where_measured_faster():
@@ -774,11 +774,7 @@ SPECS = [  # (the cases' 7-token queries at GQA 4 take NARROW at D 128 unless th
     # device lengths and offsets read by the kernel in place of the metadata table
     (128, 0, True, "bfloat16", 128, dict(vectors=True, dynamic=1)),
     (128, 16, True, "bfloat16", 128, dict(vectors=True)),
-    # one warp issuing the TMA copies, two gathering the tile across kv_len
-    (128, 16, True, "bfloat16", 128, dict(issuer=1)),
-    (256, 16, True, "bfloat16", 256, dict(issuer=1)),  # (K and V on barriers of their own)
-    (96, 0, True, "float16", 96, dict(issuer=1, dynamic=1, vectors=True)),
-    (128, 16, True, "bfloat16", 128, dict(issuer=1, kv_dtype="float8_e4m3fn")),  # (not applied: 8-bit K/V)
+    (96, 0, True, "float16", 96, dict(dynamic=1, vectors=True)),
 ]
 
 
@@ -868,7 +864,6 @@ def test_gpu_random_grid_forced(seed, monkeypatch):
     params = hopper_params(seed)
     params["scale"] = (None, 0.3, 1.0, 2.0)[seed % 4]
     knobs = dict(chunk=seed % 5, dynamic=seed // 2 % 2, wide=int(seed % 3 == 0 and params["dqk"] == 128))
-    knobs["issuer"] = seed // 4 % 2  # (one warp issuing the TMA copies; applies where they are TMA's)
     check_forced(make_case(seed, **params), **knobs)
 
 
@@ -891,11 +886,7 @@ def test_gpu_random_grid_forced(seed, monkeypatch):
         (3, 96, {}),
         (4, 96, dict(BLOCK_N=32)),
         (4, 256, dict(BLOCK_N=64, stages=2)),
-        (5, 128, dict(issuer=1)),  # (one warp issuing the TMA copies, two gathering)
-        (4, 128, dict(issuer=1, consumers=2, consumer_regs=216)),
-        (3, 96, dict(issuer=1)),
-        (4, 256, dict(issuer=1, BLOCK_N=64, stages=2, split=1)),
-        (6, 64, dict(issuer=1, rowsum=1)),
+        (4, 256, dict(BLOCK_N=64, stages=2, split=1)),  # (K and V on barriers of their own)
     ],
 )
 def test_gpu_tile_boundaries(group, dqk, knobs, monkeypatch):
@@ -922,11 +913,10 @@ def test_gpu_tile_boundaries(group, dqk, knobs, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dynamic", [0, 1])
 @pytest.mark.parametrize("dqk", [64, 128, 256])
-def test_gpu_issuer_long_items_end_on_gathered_tiles(dynamic, dqk, monkeypatch):
-    """``issuer``: a program walks many items of 15-40 key tiles (more than twice the ring), each ending
-    on a tile across kv_len that the gather warps fill: they must not take that tile's stage before
-    the consumers released its previous tiles (an empty barrier's phase parity seen two phases early
-    reads as free)."""
+def test_gpu_gather_warps_long_items_end_on_gathered_tiles(dynamic, dqk, monkeypatch):
+    """16-bit K/V by TMA (one warp issuing, two gathering): a program walks many items of 15-40 key
+    tiles (more than twice the ring), each ending on a tile across kv_len that the gather warps fill:
+    they must not take that tile's stage before the consumers released its previous tiles."""
     monkeypatch.setattr(hp, "_num_sms", lambda device: 2)
     r = random.Random(dqk + dynamic)
     lens_kv = [64 * r.randint(15, 40) + r.randint(1, 63) for _ in range(9)]
@@ -943,7 +933,35 @@ def test_gpu_issuer_long_items_end_on_gathered_tiles(dynamic, dqk, monkeypatch):
         causal=True,
         device="cuda",
     )
-    check_forced(case, issuer=1, dynamic=dynamic)
+    check_forced(case, dynamic=dynamic)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dynamic", [0, 1])
+@pytest.mark.parametrize("dqk, knobs", [(256, dict(BLOCK_N=64, stages=2, split=1)), (128, {}), (64, {})])
+def test_gpu_gather_warps_items_on_whole_tiles(dynamic, dqk, knobs, monkeypatch):
+    """16-bit K/V by TMA (one warp issuing, two gathering): most items end on a whole tile (kv_len a
+    multiple of 64), so the gather warps fill nothing for them and the consumers may run many tiles
+    ahead of those warps; one item in five ends across kv_len. Run to the end and right: gather warps
+    that waited on the stages' empty barriers themselves hung here (a 2-stage ring: a parity seen an
+    even number of phases late never completes once the consumers are done)."""
+    monkeypatch.setattr(hp, "_num_sms", lambda device: 2)
+    r = random.Random(7 * dqk + dynamic)
+    lens_kv = [64 * r.randint(6, 30) + (r.randint(1, 63) if i % 5 == 4 else 0) for i in range(11)]
+    case = make_case(
+        dqk + 3 * dynamic,
+        lens_q=[min(kv, r.randint(20, 300)) for kv in lens_kv],
+        lens_kv=lens_kv,
+        hq=6,
+        hkv=2,
+        dqk=dqk,
+        dvo=dqk,
+        page_size=16,
+        dtype=BF16,
+        causal=True,
+        device="cuda",
+    )
+    check_forced(case, dynamic=dynamic, **knobs)
 
 
 @pytest.mark.gpu

@@ -72,12 +72,12 @@ def test_tma_loop_is_the_innermost_loop_issuing_tile_copies():
 
 
 def test_one_issuing_warp_copies_without_partition_barriers(tmp_path):
-    """D 64 with four load warps in step against one issuing warp (``issuer``): the loop that issues the
-    tiles' TMA copies loses its partition-wide barriers (one before every copy in step) and the
-    cp.async gather (now the gather warps'), and runs on one warp instead of four."""
-    res = _compile_specs(tmp_path, "d64:issuer=0", "d64:issuer=1")
-    step, alone = (line.split("TMA loop")[1] for line in res.stdout.splitlines())
-    assert count(step, "BAR") >= 8 and count(alone, "BAR") == 0, res.stdout
-    assert count(step, "LDGSTS") > 0 and count(alone, "LDGSTS") == 0, res.stdout
-    assert count(alone, "UTMALDG") == count(step, "UTMALDG"), res.stdout
-    assert int(alone.split(":")[0]) < int(step.split(":")[0]) // 2, res.stdout
+    """D 64, 16-bit K/V by TMA: the loop that issues the tiles' TMA copies runs on one warp, with no
+    partition-wide barrier (Triton puts one before every copy where several warps issue in step) and
+    no cp.async gather (the gather warps'), in under half the instructions of four load warps issuing
+    in step (~400, 17 barriers)."""
+    res = _compile_specs(tmp_path, "d64")
+    total, opcodes = res.stdout.splitlines()[0].split("TMA loop")[1].split(":", 1)
+    assert count(opcodes, "BAR") == 0 and count(opcodes, "LDGSTS") == 0, res.stdout
+    assert count(opcodes, "UTMALDG") >= 2, res.stdout
+    assert int(total) < 200, res.stdout

@@ -40,7 +40,7 @@ class Config:
     BLOCK_N: int = 64  # keys per pipeline stage
     stages: int = 5  # K/V shared-memory ring depth (fewer where Q and the ring would not fit)
     consumers: int = 3  # softmax/MMA warpgroups of 64 rows each (2 or 3)
-    load_warps: int = 4
+    load_warps: int = 4  # (not where one warp issues the TMA copies: see `issues_alone`)
     consumer_regs: int = 152
     load_regs: int = 56
     # (sequence, KV head) pairs whose row blocks are dealt together; 0: all pairs. Off the work counter
@@ -59,9 +59,6 @@ class Config:
     # 1: row sums by a wgmma of P against a block of ones (the kernel's ROWSUM), 0: by each thread's FADDs;
     # -1: as `tensor_row_sums` decides
     rowsum: int = -1
-    # 1: with 16-bit K/V by TMA, one warp of its own issues every TMA copy and `ISSUER_GATHER_WARPS`
-    # warps gather the tiles across kv_len, in place of `load_warps` warps doing both in step
-    issuer: int = 0
 
     @property
     def BLOCK_M(self) -> int:
@@ -69,8 +66,9 @@ class Config:
 
 
 DEFAULT = Config()
-# with `issuer`: the warps that gather the tiles across kv_len (the issuing warp, these and one idle
-# warp make up the load warps' warpgroup, so the register split is unchanged)
+# where one warp issues the TMA copies (`issues_alone`): the warps that gather each item's tile across
+# kv_len (the issuing warp, these and one idle warp make up the load warps' warpgroup, so the register
+# split is unchanged)
 ISSUER_GATHER_WARPS = 2
 # off the work counter, chunks of 8 pairs: +6% on fp8 K/V (b8 q2k), +4% on its bf16 data and +3% on
 # 4k prompts, level elsewhere (heaviest first over more pairs: fewer light items left at the end)
@@ -148,6 +146,15 @@ def prefers_wide(batch: PrefillBatch) -> bool:
     if (batch.head_dim_qk, batch.head_dim_vo) != (128, 128) or batch.fp8_kv:
         return False  # (8-bit K/V: its staging ring would leave 128-key tiles two stages)
     return batch.paged and batch.page_size >= 64
+
+
+def issues_alone(batch: PrefillBatch, cfg: Config, use_tma: bool) -> bool:
+    """Whether one warp of its own issues the K/V tiles' TMA copies while ``ISSUER_GATHER_WARPS`` warps
+    gather each item's tile across kv_len, in place of ``load_warps`` warps doing both in step: 16-bit
+    K/V by TMA on tiles of <= 64 keys. Against the warps in step on the H200: +2-8% (chunked prefill
+    +8%, D 256 +6%, D 96 +5%, D 64 +3%, 16k +2%), 128 sequences of <= 256 queries -1.5%; on
+    WIDE's 128-key tiles (pages of 64) -2.5%, where its two gather warps also spill."""
+    return use_tma and not (batch.fp8_kv or batch.fp8_q) and cfg.BLOCK_N <= 64
 
 
 def _narrow_layout(batch: PrefillBatch) -> bool:
@@ -334,8 +341,6 @@ def config(batch: PrefillBatch) -> Config:
         why = f"dynamic must be 0 or 1, got {cfg.dynamic}"
     elif cfg.split not in (0, 1):
         why = f"split must be 0 or 1, got {cfg.split}"
-    elif cfg.issuer not in (0, 1):
-        why = f"issuer must be 0 or 1, got {cfg.issuer}"
     elif cfg.rowsum not in (-1, 0, 1):
         why = f"rowsum must be -1, 0 or 1, got {cfg.rowsum}"
     elif cfg.rowsum == 1 and batch.fp8_q:
@@ -708,7 +713,7 @@ class HopperPlan:
         head rows (see :func:`_tma_plan`), K/V by TMA (else cp.async), Q by TMA."""
         batch = self.batch
         tma16 = use_tma and not (batch.fp8_kv or batch.fp8_q)  # (16-bit K/V tiles by TMA)
-        issuer = bool(cfg.issuer) and tma16
+        alone = issues_alone(batch, cfg, use_tma)
         if not use_tma and cfg.split and batch.head_dim_vo > 128 and cfg.BLOCK_N == 64 and stages(batch, cfg) == 2:
             # (strides the TMA cannot box: without the split two 64-key stages leave the loads exposed)
             cfg = replace(cfg, BLOCK_N=D256["BLOCK_N"], stages=D256["stages"], split=0)
@@ -722,7 +727,7 @@ class HopperPlan:
             CAUSAL=batch.causal,
             HAS_LSE=batch.has_lse,
             STAGES=stages(batch, cfg),
-            LOAD_WARPS=ISSUER_GATHER_WARPS if issuer else cfg.load_warps,
+            LOAD_WARPS=ISSUER_GATHER_WARPS if alone else cfg.load_warps,
             CONS_REGS=cfg.consumer_regs,
             LOAD_REGS=cfg.load_regs,
             USE_TMA=use_tma,
@@ -741,7 +746,7 @@ class HopperPlan:
             V_SCALED=batch.v_scaled,
             SPLIT=bool(cfg.split) and tma16,
             ROWSUM=tensor_row_sums(batch, cfg),
-            ISSUER=issuer,
+            ISSUER=alone,
             **(self._vector_mode[1] if self._vector_mode else _TABLE_MODE),
             num_warps=4,
         )

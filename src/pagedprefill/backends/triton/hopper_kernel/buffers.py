@@ -17,7 +17,10 @@ def _layout(cols, bits):
 
 @aggregate
 class KVRing:
-    """The K/V tiles in shared memory: ``STAGES`` slots with full / empty barriers."""
+    """The K/V tiles in shared memory: ``STAGES`` slots with full / empty barriers; with
+    ``Geometry.ISSUER``, a ring of hand-offs (``ITEM_RING`` slots) from the issuing warp to the gather
+    warps, one per item: go once the item's last tile has a free stage, done once the gather warps
+    took it (so that go's slot is never reused before its waiters saw it)."""
 
     k: gl.shared_memory_descriptor  # [STAGES, BLOCK_N, DQ0]
     k1: gl.shared_memory_descriptor  # [STAGES, BLOCK_N, DQ1] (DQ1 > 0), else k
@@ -25,15 +28,19 @@ class KVRing:
     v1: gl.shared_memory_descriptor  # [STAGES, BLOCK_N, DV1] (DV1 > 0), else v
     full: gl.shared_memory_descriptor
     empty: gl.shared_memory_descriptor
+    tail_go: gl.shared_memory_descriptor
+    tail_done: gl.shared_memory_descriptor
 
     @gluon.constexpr_function
-    def __init__(self, k, k1, v, v1, full, empty):
+    def __init__(self, k, k1, v, v1, full, empty, tail_go, tail_done):
         self.k = k
         self.k1 = k1
         self.v = v
         self.v1 = v1
         self.full = full
         self.empty = empty
+        self.tail_go = tail_go
+        self.tail_done = tail_done
 
 
 @aggregate

@@ -261,6 +261,16 @@ def attention_kernel(
     for i in gl.static_range(ITEM_RING):
         mbarrier.init(item_full.index(i), count=1)
         mbarrier.init(item_empty.index(i), count=NC + (1 if ISSUER else 0))  # (ISSUER: the gather warps read it too)
+    # ISSUER: the issuing warp hands each item's tile across kv_len to the gather warps (see KVRing)
+    if ISSUER:
+        tail_go = gl.allocate_shared_memory(gl.int64, [ITEM_RING, 1], mbarrier.MBarrierLayout())
+        tail_done = gl.allocate_shared_memory(gl.int64, [ITEM_RING, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(ITEM_RING):
+            mbarrier.init(tail_go.index(i), count=1)
+            mbarrier.init(tail_done.index(i), count=1)
+    else:  # (unused)
+        tail_go = item_full
+        tail_done = item_empty
     # Q_TMA: the load warps copy each item's Q (full, by bytes) once every consumer's last QK GEMM of
     # the item before is done (empty)
     if Q_TMA:
@@ -337,7 +347,7 @@ def attention_kernel(
         shares_t,
         COUNTER.to(gl.pointer_type(gl.float32), bitcast=True) + PART_OFFSET,
     )
-    ring = KVRing(k_smem, k1_smem, v_smem, v1_smem, kv_full, kv_empty)
+    ring = KVRing(k_smem, k1_smem, v_smem, v1_smem, kv_full, kv_empty, tail_go, tail_done)
     stg = Staging(st_k, st_k1, st_v, st_v1, st_full)
     slots = QSlots(q_smem, q1_smem, q_full, q_empty, q_f, ones)
     src = KVSource(

@@ -11,7 +11,7 @@ from triton.language.core import _aggregate as aggregate
 
 from .buffers import KVRing, QSlots, Staging
 from .geometry import Geometry, WorkItem, _window_range
-from .schedule import Schedule
+from .schedule import ITEM_RING, Schedule
 
 
 @aggregate
@@ -462,10 +462,11 @@ def _gather_tail(ring: KVRing, s, v_phase, src: KVSource, w: WorkItem, t, geo: G
 def _gather_partition(sched: Schedule, ring: KVRing, src: KVSource, geo: Geometry):
     """ISSUER: these load warps gather each item's tile across kv_len (only an item's last tile can
     cross it; :func:`_load_partition`, on one warp, issues the rest), following the items as the
-    consumers do. A wait on a stage's empty barrier tests a phase's parity only, so it may not run
-    two phases ahead: waiting for tile n is safe once the consumers released tile n - 2 STAGES. They
-    release tiles in order, so the gather warps wait for every STAGES-th tile of an item and its last
-    (a warp that ran ahead to an item's last tile would take a stage the consumers still read)."""
+    consumers do. The issuing warp hands them every item once it waited for the stage of the item's
+    last tile (``KVRing.tail_go``). They never wait on the stages' empty barriers themselves: such a
+    wait tests a phase's parity only, and where no item ends on a gathered tile nothing keeps the
+    consumers within two phases of these warps (a wait left an even number of phases behind blocks
+    for good once the consumers are done)."""
     STAGES: gl.constexpr = geo.STAGES
     c = gl.program_id(0) * 0
     r = gl.program_id(0) * 0
@@ -473,14 +474,13 @@ def _gather_partition(sched: Schedule, ring: KVRing, src: KVSource, geo: Geometr
     while sched.more(item, r):
         w = sched.work_item(item, geo, False)
         t_lo, n_load = _load_span(sched, w, geo)
-        for i in range(0, n_load, STAGES):
-            mbarrier.wait(ring.empty.index((c + i) % STAGES), (((c + i) // STAGES) & 1) ^ 1)
+        hs = r % ITEM_RING
+        mbarrier.wait(ring.tail_go.index(hs), (r // ITEM_RING) & 1)
+        mbarrier.arrive(ring.tail_done.index(hs))
         t = t_lo + n_load - 1
         if (n_load > 0) & ((t + 1) * geo.BLOCK_N > w.kv_len):
             n = c + n_load - 1
-            phase = ((n // STAGES) & 1) ^ 1
-            mbarrier.wait(ring.empty.index(n % STAGES), phase)
-            _gather_tail(ring, n % STAGES, phase, src, w, t, geo)
+            _gather_tail(ring, n % STAGES, ((n // STAGES) & 1) ^ 1, src, w, t, geo)
         c += n_load
         r += 1
         item = sched.take(r, geo.LOAD_WARPS)
@@ -518,7 +518,7 @@ def _load_partition(
     ISSUER (16-bit K/V by TMA): this partition is one warp, which claims the items and issues every
     TMA copy with no partition-wide barrier between copies (load warps in step pay one before each:
     Triton's shared-memory barrier analysis) and no box arithmetic repeated on other warps; the tile
-    across kv_len is :func:`_gather_partition`'s."""
+    across kv_len is :func:`_gather_partition`'s, handed over once its stage is free."""
     STAGES: gl.constexpr = geo.STAGES
     BLOCK_N: gl.constexpr = geo.BLOCK_N
     DQ0: gl.constexpr = geo.DQ0
@@ -602,15 +602,17 @@ def _load_partition(
                 _transpose_v(stg.v.index((c + i) % S8), ring.v.index(s), geo)
                 fence_async_shared()  # (V's generic writes before the consumers' wgmma)
                 mbarrier.arrive(ring.full.index(s))
-            elif geo.USE_TMA:
-                v_empty_phase = (((c + i) // STAGES) & 1) ^ 1
+            elif geo.USE_TMA:  # (ISSUER: the tile across kv_len is the gather warps')
                 if (t + 1) * BLOCK_N <= w.kv_len:
+                    v_empty_phase = (((c + i) // STAGES) & 1) ^ 1
                     _tma_kv(ring, s, v_empty_phase, src, w, t, ids, k_desc, k1_desc, v_desc, v1_desc, geo)
-                elif not geo.ISSUER:  # (ISSUER: the gather warps' tile)
-                    _gather_tail(ring, s, v_empty_phase, src, w, t, geo)
             else:
                 src.gather(ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo, True, True)
                 async_copy.mbarrier_arrive(ring.full.index(s), increment_count=False)
+        if geo.ISSUER:  # (the stage of the item's last tile is free: the gather warps may fill it)
+            hs = r % ITEM_RING
+            mbarrier.wait(ring.tail_done.index(hs), ((r // ITEM_RING) & 1) ^ 1)
+            mbarrier.arrive(ring.tail_go.index(hs))
         if geo.Q_TMA:
             if q_at == n_load:
                 _issue_q(q_desc, slots, w, r, geo)
