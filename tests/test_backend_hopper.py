@@ -910,6 +910,23 @@ def test_gpu_tile_boundaries(group, dqk, knobs, monkeypatch):
     check_forced(case, **knobs)
 
 
+def _paged16_causal_case(seed: int, lens_q: list, lens_kv: list, group: int, dqk: int):
+    """A causal bf16 case on the GPU over pages of 16 tokens (K/V tiles by TMA), two KV heads."""
+    return make_case(
+        seed,
+        lens_q=lens_q,
+        lens_kv=lens_kv,
+        hq=2 * group,
+        hkv=2,
+        dqk=dqk,
+        dvo=dqk,
+        page_size=16,
+        dtype=BF16,
+        causal=True,
+        device="cuda",
+    )
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dynamic", [0, 1])
 @pytest.mark.parametrize("dqk", [64, 128, 256])
@@ -920,19 +937,7 @@ def test_gpu_gather_warps_long_items_end_on_gathered_tiles(dynamic, dqk, monkeyp
     monkeypatch.setattr(hp, "_num_sms", lambda device: 2)
     r = random.Random(dqk + dynamic)
     lens_kv = [64 * r.randint(15, 40) + r.randint(1, 63) for _ in range(9)]
-    case = make_case(
-        dqk + dynamic,
-        lens_q=[r.randint(20, 130) for _ in lens_kv],
-        lens_kv=lens_kv,
-        hq=8,
-        hkv=2,
-        dqk=dqk,
-        dvo=dqk,
-        page_size=16,
-        dtype=BF16,
-        causal=True,
-        device="cuda",
-    )
+    case = _paged16_causal_case(dqk + dynamic, [r.randint(20, 130) for _ in lens_kv], lens_kv, 4, dqk)
     check_forced(case, dynamic=dynamic)
 
 
@@ -948,19 +953,7 @@ def test_gpu_gather_warps_items_on_whole_tiles(dynamic, dqk, knobs, monkeypatch)
     monkeypatch.setattr(hp, "_num_sms", lambda device: 2)
     r = random.Random(7 * dqk + dynamic)
     lens_kv = [64 * r.randint(6, 30) + (r.randint(1, 63) if i % 5 == 4 else 0) for i in range(11)]
-    case = make_case(
-        dqk + 3 * dynamic,
-        lens_q=[min(kv, r.randint(20, 300)) for kv in lens_kv],
-        lens_kv=lens_kv,
-        hq=6,
-        hkv=2,
-        dqk=dqk,
-        dvo=dqk,
-        page_size=16,
-        dtype=BF16,
-        causal=True,
-        device="cuda",
-    )
+    case = _paged16_causal_case(dqk + 3 * dynamic, [min(kv, r.randint(20, 300)) for kv in lens_kv], lens_kv, 3, dqk)
     check_forced(case, dynamic=dynamic, **knobs)
 
 
