@@ -602,10 +602,12 @@ def _load_partition(
                 _transpose_v(stg.v.index((c + i) % S8), ring.v.index(s), geo)
                 fence_async_shared()  # (V's generic writes before the consumers' wgmma)
                 mbarrier.arrive(ring.full.index(s))
-            elif geo.USE_TMA:  # (ISSUER: the tile across kv_len is the gather warps')
+            elif geo.USE_TMA:
+                v_empty_phase = (((c + i) // STAGES) & 1) ^ 1
                 if (t + 1) * BLOCK_N <= w.kv_len:
-                    v_empty_phase = (((c + i) // STAGES) & 1) ^ 1
                     _tma_kv(ring, s, v_empty_phase, src, w, t, ids, k_desc, k1_desc, v_desc, v1_desc, geo)
+                elif not geo.ISSUER:  # (ISSUER: the gather warps' tile; 128-key tiles are the load warps')
+                    _gather_tail(ring, s, v_empty_phase, src, w, t, geo)
             else:
                 src.gather(ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo, True, True)
                 async_copy.mbarrier_arrive(ring.full.index(s), increment_count=False)
