@@ -2,7 +2,9 @@
 # One device call: install, then the given steps in order; every log goes to $OUT.
 #   bash scripts/gpu_session.sh [steps...]        (default: tests memcheck)
 # steps:
-#   tests     every GPU test (pytest -m gpu), in parallel processes when pytest-xdist is importable
+#   tests     every GPU test (pytest -m gpu), in parallel processes when pytest-xdist is importable; a run stopped
+#             by TEST_S names the tests it left running (scripts/pytest_log.py: a test that started long before the
+#             limit and never finished is a hang)
 #   memcheck  scripts/memcheck_cases.py under compute-sanitizer memcheck, caching allocator off; CUDA API
 #             return codes are not reported (cuda-python probes driver symbols with cuGetProcAddress,
 #             and each probe of an absent one would count as an "error"): memory accesses only
@@ -61,7 +63,9 @@ for s in $steps; do
         >"$OUT/$TAG-tests.log" 2>&1
       echo "rc $?"
       grep -E "FAILED|ERROR" "$OUT/$TAG-tests.log" | grep -v "^tests/" | head -40
-      tail -3 "$OUT/$TAG-tests.log" ;;
+      tail -3 "$OUT/$TAG-tests.log"
+      # (a run stopped by its time limit prints no summary: name the tests it left running, where a hang shows)
+      python3 scripts/pytest_log.py "$OUT/$TAG-tests.log" | head -20 ;;
     memcheck)
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${MEMCHECK_S:-300}" compute-sanitizer --tool memcheck \
         --report-api-errors no --leak-check no --print-limit 50 python3 scripts/memcheck_cases.py >"$OUT/$TAG-memcheck.log" 2>&1
@@ -139,7 +143,8 @@ echo "=== done $(date -u +%T)"
 # the essentials last, where a truncated output keeps them
 echo "=== summary"
 [ -f "$OUT/$TAG-tests.log" ] && echo "tests: $(grep -E "[0-9]+ (passed|failed)" "$OUT/$TAG-tests.log" | tail -1 || true)" \
-  "$(grep -q -E "[0-9]+ (passed|failed)" "$OUT/$TAG-tests.log" || echo "(no pytest summary: stopped by TEST_S?)")"
+  "$(grep -q -E "[0-9]+ (passed|failed)" "$OUT/$TAG-tests.log" || echo "(no pytest summary: stopped by TEST_S;" \
+  "$(python3 scripts/pytest_log.py "$OUT/$TAG-tests.log" | grep -c "no outcome") tests left running)")"
 [ -f "$OUT/$TAG-memcheck.log" ] && echo "memcheck: $(grep "ERROR SUMMARY" "$OUT/$TAG-memcheck.log" | tail -1)"
 for k in eager graph layers; do
   [ -f "$OUT/$TAG-$k.md" ] && grep "^| geomean" "$OUT/$TAG-$k.md" | sed "s/^/$k: /"
