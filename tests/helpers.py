@@ -8,7 +8,9 @@ tests use fp16 / fp32; bf16 runs in the GPU tests (``@pytest.mark.gpu``).
 
 from __future__ import annotations
 
+import importlib.util
 import random
+from pathlib import Path
 
 import torch
 from oracle import check, make_case, reference_rows
@@ -20,6 +22,15 @@ from pagedprefill.batch import CallTensors
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str):
+    """``scripts/<name>.py`` imported as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def atol_for(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> float:

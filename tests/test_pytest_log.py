@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "pytest_log.py"
+from helpers import load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("pytest_log", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("pytest_log")
 
 
 def test_xdist_log_names_the_test_that_never_finished():

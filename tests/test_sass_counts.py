@@ -1,20 +1,18 @@
 """scripts/sass_counts.py: the key loop and the TMA issuing loop found in SASS, the row sums' wgmma
 and the one issuing warp visible in them (compiled for sm_90 on the CPU)."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from helpers import load_script
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "sass_counts.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("sass_counts", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("sass_counts")
 
 
 def _compile_specs(tmp_path, *specs: str) -> subprocess.CompletedProcess:
