@@ -38,7 +38,6 @@ from pagedprefill.backends.triton import hopper as hp  # noqa: E402
 # name: (Dqk, Dvo, page size, q dtype, kv dtype or None, return_lse)
 SHAPES = {
     "d128": (128, 128, 16, torch.bfloat16, None, True),
-    "p64": (128, 128, 64, torch.bfloat16, None, True),
     "d64": (64, 64, 16, torch.bfloat16, None, False),
     "d96": (96, 96, 16, torch.bfloat16, None, True),
     "d256": (256, 256, 16, torch.bfloat16, None, True),

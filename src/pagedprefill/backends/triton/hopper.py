@@ -154,7 +154,12 @@ def issues_alone(batch: PrefillBatch, cfg: Config, use_tma: bool) -> bool:
     K/V by TMA on tiles of <= 64 keys. Against the warps in step on the H200: +2-8% (chunked prefill
     +8%, D 256 +6%, D 96 +5%, D 64 +3%, 16k +2%), 128 sequences of <= 256 queries -1.5%; on
     WIDE's 128-key tiles (pages of 64) -2.5%, where its two gather warps also spill."""
-    return use_tma and not (batch.fp8_kv or batch.fp8_q) and cfg.BLOCK_N <= 64
+    return _k16_by_tma(batch, use_tma) and cfg.BLOCK_N <= 64
+
+
+def _k16_by_tma(batch: PrefillBatch, use_tma: bool) -> bool:
+    """Whether K/V tiles come by TMA in q's 16-bit dtype (not widened or transposed 8-bit tiles)."""
+    return use_tma and not (batch.fp8_kv or batch.fp8_q)
 
 
 def _narrow_layout(batch: PrefillBatch) -> bool:
@@ -712,7 +717,6 @@ class HopperPlan:
         """The kernel's constexprs and launch options under ``cfg`` for a layout: K and V boxed by
         head rows (see :func:`_tma_plan`), K/V by TMA (else cp.async), Q by TMA."""
         batch = self.batch
-        tma16 = use_tma and not (batch.fp8_kv or batch.fp8_q)  # (16-bit K/V tiles by TMA)
         alone = issues_alone(batch, cfg, use_tma)
         if not use_tma and cfg.split and batch.head_dim_vo > 128 and cfg.BLOCK_N == 64 and stages(batch, cfg) == 2:
             # (strides the TMA cannot box: without the split two 64-key stages leave the loads exposed)
@@ -744,7 +748,7 @@ class HopperPlan:
             Q_SCALED=batch.q_scaled,
             K_SCALED=batch.k_scaled,
             V_SCALED=batch.v_scaled,
-            SPLIT=bool(cfg.split) and tma16,
+            SPLIT=bool(cfg.split) and _k16_by_tma(batch, use_tma),
             ROWSUM=tensor_row_sums(batch, cfg),
             ISSUER=alone,
             **(self._vector_mode[1] if self._vector_mode else _TABLE_MODE),

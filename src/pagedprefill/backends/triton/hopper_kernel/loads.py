@@ -88,7 +88,7 @@ class KVSource:
         into k1_buf) and V rows (V: likewise into v_buf and v1_buf); rows at or past ``hi``
         zero-filled. Fewer than four load warps take the rows in passes, so that each thread holds
         as many offsets at a time as with four (more spill their registers)."""
-        R: gl.constexpr = _gather_rows(geo.BLOCK_N, geo.LOAD_WARPS)
+        R: gl.constexpr = _pass_rows(geo.BLOCK_N, geo.LOAD_WARPS)
         if R == geo.BLOCK_N:  # (the buffers whole: with fp8 q, V's is transposed and not sliced by rows)
             self._gather_rows(k_buf, k1_buf, v_buf, v1_buf, w, t, 0, R, geo, K, V)
         else:
@@ -148,7 +148,7 @@ class KVSource:
 
 
 @gluon.constexpr_function
-def _gather_rows(block_n, warps):
+def _pass_rows(block_n, warps):
     """Rows a gather pass copies: the tile's with four load warps or more, a share of it with fewer."""
     return block_n if warps >= 4 else block_n * warps // 4
 
