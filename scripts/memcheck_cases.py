@@ -3,8 +3,9 @@
 off, so that every tensor is its own allocation and any access outside one is reported.
 
 Paths: the Hopper kernel (TMA and cp.async K/V, TMA copies from one issuing warp, fp8 K/V through
-its staging slots, Q by TMA and by the consumers, static and dynamic scheduling, a last round split
-into shares and their merge, window / soft-cap / sinks), the portable kernel (paged,
+its staging slots (filled by one issuing warp at D 64), Q by TMA and by the consumers, static and
+dynamic scheduling, a last round split into shares and their merge, window / soft-cap / sinks), the
+portable kernel (paged,
 ragged, split-KV, fp8, D 96 / 256, CSR pages), the device metadata kernel (device lengths and
 offsets, untrusted values), the cuDNN preparation kernel and graph, and the merge kernel.
 """
@@ -88,6 +89,12 @@ def main() -> int:
             None,
         ),
         ("hopper fp8kv d256 ragged", dict(dqk=256, page_size=0, dtype=BF16, kv_dtype=E4M3), "triton", None),
+        (
+            "hopper fp8kv d64 paged16 issuing warp",
+            dict(dqk=64, page_size=16, dtype=BF16, kv_dtype=E4M3),
+            "triton",
+            dict(hopper_knobs=dict(dynamic=1)),
+        ),
         (
             "hopper fp8 qkv paged16 tma",
             dict(dqk=128, page_size=16, dtype=E4M3, kv_dtype=E4M3),

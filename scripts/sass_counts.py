@@ -43,6 +43,7 @@ SHAPES = {
     "d256": (256, 256, 16, torch.bfloat16, None, True),
     "mla192": (192, 128, 16, torch.bfloat16, None, True),
     "kv8": (128, 128, 16, torch.bfloat16, torch.float8_e4m3fn, True),
+    "kv8d64": (64, 64, 16, torch.bfloat16, torch.float8_e4m3fn, True),
     "f8": (128, 128, 16, torch.float8_e4m3fn, None, True),
 }
 SHOWN = ("HGMMA", "QGMMA", "MUFU", "FFMA", "FMUL", "FADD", "FMNMX", "F2FP", "SHFL", "BAR", "LDL", "STL")

@@ -82,3 +82,14 @@ def test_one_issuing_warp_copies_without_partition_barriers(tmp_path):
     assert count(alone[1], "UTMALDG") >= 2, res.stdout
     assert int(alone[0]) < 200, res.stdout
     assert count(step[1], "LDGSTS") > 0 and count(step[1], "BAR") > 0, res.stdout
+
+
+def test_widened_8_bit_tiles_at_d64_come_from_one_issuing_warp(tmp_path):
+    """D 64, e4m3 K/V for bf16 q: one warp issues the staging slots' TMA boxes, with no partition
+    barrier and no cp.async gather in its loop (the widening warps gather the tile across kv_len); at
+    D 128 the four load warps still stage, gather and widen in step."""
+    res = _compile_specs(tmp_path, "kv8d64", "kv8")
+    alone, step = (line.split("TMA loop")[1].split(":", 1) for line in res.stdout.splitlines())
+    assert count(alone[1], "BAR") == 0 and count(alone[1], "LDGSTS") == 0, res.stdout
+    assert count(alone[1], "UTMALDG") >= 2, res.stdout
+    assert count(step[1], "LDGSTS") > 0 and count(step[1], "BAR") > 0, res.stdout

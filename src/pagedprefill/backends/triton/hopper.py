@@ -67,8 +67,8 @@ class Config:
 
 DEFAULT = Config()
 # where one warp issues the TMA copies (`issues_alone`): the warps that gather each item's tile across
-# kv_len (the issuing warp, these and one idle warp make up the load warps' warpgroup, so the register
-# split is unchanged)
+# kv_len, and widen every 8-bit tile (the issuing warp, these and one idle warp make up the load warps'
+# warpgroup, so the register split is unchanged)
 ISSUER_GATHER_WARPS = 2
 # off the work counter, chunks of 8 pairs: +6% on fp8 K/V (b8 q2k), +4% on its bf16 data and +3% on
 # 4k prompts, level elsewhere (heaviest first over more pairs: fewer light items left at the end)
@@ -153,7 +153,14 @@ def issues_alone(batch: PrefillBatch, cfg: Config, use_tma: bool) -> bool:
     gather each item's tile across kv_len, in place of ``load_warps`` warps doing both in step: 16-bit
     K/V by TMA on tiles of <= 64 keys. Against the warps in step on the H200: +2-8% (chunked prefill
     +8%, D 256 +6%, D 96 +5%, D 64 +3%, 16k +2%), 128 sequences of <= 256 queries -1.5%; on
-    WIDE's 128-key tiles (pages of 64) -2.5%, where its two gather warps also spill."""
+    WIDE's 128-key tiles (pages of 64) -2.5%, where its two gather warps also spill.
+
+    8-bit K/V widened for 16-bit q, by TMA, at D 64: the two warps widen every tile (and gather the one
+    across kv_len) while the issuing warp fills the staging slots: +8% on d64_b16_q2k with e4m3 K/V.
+    At D 128 two warps widen too slowly (-2% on fp8kv_b8_q2k), and four beside the issuing warp are
+    two warpgroups of 24 registers (-9%)."""
+    if batch.fp8_kv and not batch.fp8_q:
+        return use_tma and cfg.BLOCK_N <= 64 and (batch.head_dim_qk, batch.head_dim_vo) == (64, 64)
     return _k16_by_tma(batch, use_tma) and cfg.BLOCK_N <= 64
 
 

@@ -46,21 +46,24 @@ class KVRing:
 @aggregate
 class Staging:
     """KV8: 8-bit K/V tiles as they arrive, ``S8`` slots (TMA boxes for whole tiles, cp.async otherwise)
-    with a barrier each, until the load warps widen them into the :class:`KVRing`."""
+    with a barrier each, until the load warps widen them into the :class:`KVRing`; with
+    ``Geometry.ISSUER`` the issuing warp fills a slot once the widening warps released it (``empty``)."""
 
     k: gl.shared_memory_descriptor  # [S8, BLOCK_N, DQ0] 8-bit
     k1: gl.shared_memory_descriptor  # [S8, BLOCK_N, DQ1] (DQ1 > 0), else k
     v: gl.shared_memory_descriptor  # [S8, BLOCK_N, DV0]
     v1: gl.shared_memory_descriptor  # [S8, BLOCK_N, DV1] (DV1 > 0), else v
     full: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
 
     @gluon.constexpr_function
-    def __init__(self, k, k1, v, v1, full):
+    def __init__(self, k, k1, v, v1, full, empty):
         self.k = k
         self.k1 = k1
         self.v = v
         self.v1 = v1
         self.full = full
+        self.empty = empty
 
 
 @aggregate

@@ -49,8 +49,8 @@ class Geometry:
     ROWSUM: gl.constexpr  # row sums by a wgmma of P against a block of ones (QSlots.ones), beside the PV
     # GEMM and rescaled with O, in place of each thread's ~32 FADD / FFMA a tile (the sum is then of P as
     # the PV GEMM reads it, in its dtype)
-    ISSUER: gl.constexpr  # 16-bit K/V by TMA: one warp of its own claims the items and issues every TMA
-    # copy; the LOAD_WARPS load warps only gather the tiles that cross kv_len
+    ISSUER: gl.constexpr  # K/V by TMA: one warp of its own claims the items and issues every TMA copy;
+    # the LOAD_WARPS load warps only gather the tiles that cross kv_len (KV8: and widen every tile)
     TMA_WARPS: gl.constexpr  # warps of the partition that issues the TMA copies (1 with ISSUER)
 
     @gluon.constexpr_function

@@ -190,7 +190,7 @@ def attention_kernel(
         ROWSUM,
         ISSUER,
     )
-    gl.static_assert(not ISSUER or (USE_TMA and STAGING == 0 and not F8), "ISSUER needs 16-bit K/V by TMA")
+    gl.static_assert(not ISSUER or (USE_TMA and not F8), "ISSUER needs 16-bit or widened 8-bit K/V by TMA")
     dtype: gl.constexpr = Q.dtype.element_ty
     # (rows swizzled over their bytes, at most 128: 16-bit 32-column parts and 8-bit 64-column tiles
     # take 64; the host's TMA descriptors use the same)
@@ -243,12 +243,19 @@ def attention_kernel(
         st_full = gl.allocate_shared_memory(gl.int64, [STAGING, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGING):
             mbarrier.init(st_full.index(i), count=1 if USE_TMA else LOAD_WARPS * 32)
+        if ISSUER:  # (the widening warps hand each slot back to the issuing warp)
+            st_empty = gl.allocate_shared_memory(gl.int64, [STAGING, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(STAGING):
+                mbarrier.init(st_empty.index(i), count=1)
+        else:  # (unused)
+            st_empty = st_full
     else:  # (unused)
         st_k = k_smem
         st_k1 = k_smem
         st_v = v_smem
         st_v1 = v_smem
         st_full = kv_full
+        st_empty = kv_full
     if geo.KV8:  # (a 1-D buffer of a power of two elements, sliced per consumer)
         q_f = gl.allocate_shared_memory(gl.float32, [4 * geo.SUB_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     else:  # (unused)
@@ -261,8 +268,9 @@ def attention_kernel(
     for i in gl.static_range(ITEM_RING):
         mbarrier.init(item_full.index(i), count=1)
         mbarrier.init(item_empty.index(i), count=NC + (1 if ISSUER else 0))  # (ISSUER: the gather warps read it too)
-    # ISSUER: the issuing warp hands each item's tile across kv_len to the gather warps (see KVRing)
-    if ISSUER:
+    # ISSUER with 16-bit K/V: the issuing warp hands each item's tile across kv_len to the gather warps
+    # (see KVRing)
+    if ISSUER and STAGING == 0:
         tail_go = gl.allocate_shared_memory(gl.int64, [ITEM_RING, 1], mbarrier.MBarrierLayout())
         tail_done = gl.allocate_shared_memory(gl.int64, [ITEM_RING, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(ITEM_RING):
@@ -348,7 +356,7 @@ def attention_kernel(
         COUNTER.to(gl.pointer_type(gl.float32), bitcast=True) + PART_OFFSET,
     )
     ring = KVRing(k_smem, k1_smem, v_smem, v1_smem, kv_full, kv_empty, tail_go, tail_done)
-    stg = Staging(st_k, st_k1, st_v, st_v1, st_full)
+    stg = Staging(st_k, st_k1, st_v, st_v1, st_full, st_empty)
     slots = QSlots(q_smem, q1_smem, q_full, q_empty, q_f, ones)
     src = KVSource(
         K,
@@ -390,7 +398,7 @@ def attention_kernel(
             [
                 (_consumer_partition, (sched, ring, slots, out, R0, geo)),
                 (_consumer_partition, (sched, ring, slots, out, R1, geo)),
-                (_gather_partition, (sched, ring, src, geo)),
+                (_gather_partition, (sched, ring, stg, slots, src, q_desc, geo)),
                 (_load_partition, (sched, ring, stg, slots, src, k_desc, k1_desc, v_desc, v1_desc, q_desc, geo)),
             ],
             [4, LOAD_WARPS, 1],
@@ -412,7 +420,7 @@ def attention_kernel(
                 (_consumer_partition, (sched, ring, slots, out, R0, geo)),
                 (_consumer_partition, (sched, ring, slots, out, R1, geo)),
                 (_consumer_partition, (sched, ring, slots, out, R2, geo)),
-                (_gather_partition, (sched, ring, src, geo)),
+                (_gather_partition, (sched, ring, stg, slots, src, q_desc, geo)),
                 (_load_partition, (sched, ring, stg, slots, src, k_desc, k1_desc, v_desc, v1_desc, q_desc, geo)),
             ],
             [4, 4, LOAD_WARPS, 1],

@@ -289,14 +289,7 @@ def _stage(stg: Staging, slot, src: KVSource, w: WorkItem, t, k_desc, k1_desc, v
     :func:`_staged` waits for; otherwise each thread's copies arrive on the slot's barrier)."""
     bar = stg.full.index(slot)
     if geo.USE_TMA and (t + 1) * geo.BLOCK_N <= w.kv_len:
-        if geo.F8:  # (V only)
-            mbarrier.expect(bar, geo.BLOCK_N * geo.DVO)
-        else:
-            mbarrier.expect(bar, geo.BLOCK_N * (geo.DQ0 + geo.DQ1 + geo.DVO))
-        ids = t
-        if geo.PAGE_SIZE > 0:
-            ids = _tile_pages(src, w, t, geo, False)
-        _tma_tile(stg, slot, bar, src, w, t, ids, k_desc, k1_desc, v_desc, v1_desc, geo, not geo.F8, True)
+        _stage_boxes(stg, slot, src, w, t, k_desc, k1_desc, v_desc, v1_desc, geo)
     else:
         src.gather(
             stg.k.index(slot), stg.k1.index(slot), stg.v.index(slot), stg.v1.index(slot), w, t, geo, not geo.F8, True
@@ -305,6 +298,20 @@ def _stage(stg: Staging, slot, src: KVSource, w: WorkItem, t, k_desc, k1_desc, v
             async_copy.commit_group()
         else:
             async_copy.mbarrier_arrive(bar, increment_count=False)
+
+
+@gluon.jit
+def _stage_boxes(stg: Staging, slot, src: KVSource, w: WorkItem, t, k_desc, k1_desc, v_desc, v1_desc, geo: Geometry):
+    """:func:`_stage` of a tile wholly below kv_len: its TMA boxes, completing on the slot's barrier."""
+    bar = stg.full.index(slot)
+    if geo.F8:  # (V only)
+        mbarrier.expect(bar, geo.BLOCK_N * geo.DVO)
+    else:
+        mbarrier.expect(bar, geo.BLOCK_N * (geo.DQ0 + geo.DQ1 + geo.DVO))
+    ids = t
+    if geo.PAGE_SIZE > 0:
+        ids = _tile_pages(src, w, t, geo, False)
+    _tma_tile(stg, slot, bar, src, w, t, ids, k_desc, k1_desc, v_desc, v1_desc, geo, not geo.F8, True)
 
 
 @gluon.jit
@@ -459,14 +466,70 @@ def _gather_tail(ring: KVRing, s, v_phase, src: KVSource, w: WorkItem, t, geo: G
 
 
 @gluon.jit
-def _gather_partition(sched: Schedule, ring: KVRing, src: KVSource, geo: Geometry):
+def _gather_partition(sched: Schedule, ring: KVRing, stg: Staging, slots: QSlots, src: KVSource, q_desc, geo: Geometry):
     """ISSUER: these load warps gather each item's tile across kv_len (only an item's last tile can
     cross it; :func:`_load_partition`, on one warp, issues the rest), following the items as the
     consumers do. The issuing warp hands them every item once it waited for the stage of the item's
     last tile (``KVRing.tail_go``). They never wait on the stages' empty barriers themselves: such a
     wait tests a phase's parity only, and where no item ends on a gathered tile nothing keeps the
     consumers within two phases of these warps (a wait left an even number of phases behind blocks
-    for good once the consumers are done)."""
+    for good once the consumers are done).
+
+    KV8: they widen every tile instead (:func:`_widen_partition`)."""
+    if geo.KV8:
+        _widen_partition(sched, ring, stg, slots, src, q_desc, geo)
+    else:
+        _tail_partition(sched, ring, src, geo)
+
+
+@gluon.jit
+def _widen_partition(sched: Schedule, ring: KVRing, stg: Staging, slots: QSlots, src: KVSource, q_desc, geo: Geometry):
+    """ISSUER with KV8: the program's c-th key tile, once its ring stage is free and its staging slot
+    c % S8 filled (by the issuing warp's TMA boxes; the tile across kv_len these warps gather
+    themselves, into the slot they released last), widened into the stage; the slot then goes back
+    to the issuing warp (``Staging.empty``). Each item's Q goes out from here, ordered by the ring's
+    empty waits as :func:`_load_partition` orders it."""
+    STAGES: gl.constexpr = geo.STAGES
+    S8: gl.constexpr = geo.S8
+    c = gl.program_id(0) * 0
+    r = gl.program_id(0) * 0
+    item = sched.take(r, geo.LOAD_WARPS)
+    while sched.more(item, r):
+        w = sched.work_item(item, geo, False)
+        t_lo, n_load = _load_span(sched, w, geo)
+        q_at = gl.minimum(n_load, STAGES - 2)
+        for i in range(n_load):
+            t = t_lo + i
+            n = c + i
+            s = n % STAGES
+            slot = n % S8
+            mbarrier.wait(ring.empty.index(s), ((n // STAGES) & 1) ^ 1)
+            if geo.Q_TMA:
+                if i == q_at:
+                    _issue_q(q_desc, slots, w, r, geo)
+            if (t + 1) * geo.BLOCK_N > w.kv_len:  # (the slot's last tile was widened here: it is free)
+                src.gather(
+                    stg.k.index(slot), stg.k1.index(slot), stg.v.index(slot), stg.v1.index(slot), w, t, geo, True, True
+                )
+                async_copy.commit_group()
+                async_copy.wait_group(0)
+                mbarrier.arrive(stg.full.index(slot))  # (a group sync, then one arrive: the phase as a TMA tile's)
+            mbarrier.wait(stg.full.index(slot), (n // S8) & 1)
+            _widen(stg, slot, ring, s, geo)
+            fence_async_shared()  # (the widened tiles' generic writes before the consumers' wgmma)
+            mbarrier.arrive(ring.full.index(s))
+            mbarrier.arrive(stg.empty.index(slot))
+        if geo.Q_TMA:
+            if q_at == n_load:
+                _issue_q(q_desc, slots, w, r, geo)
+        c += n_load
+        r += 1
+        item = sched.take(r, geo.LOAD_WARPS)
+
+
+@gluon.jit
+def _tail_partition(sched: Schedule, ring: KVRing, src: KVSource, geo: Geometry):
+    """ISSUER with 16-bit K/V: :func:`_gather_partition`'s gather of each item's tile across kv_len."""
     STAGES: gl.constexpr = geo.STAGES
     c = gl.program_id(0) * 0
     r = gl.program_id(0) * 0
@@ -518,7 +581,59 @@ def _load_partition(
     ISSUER (16-bit K/V by TMA): this partition is one warp, which claims the items and issues every
     TMA copy with no partition-wide barrier between copies (load warps in step pay one before each:
     Triton's shared-memory barrier analysis) and no box arithmetic repeated on other warps; the tile
-    across kv_len is :func:`_gather_partition`'s, handed over once its stage is free."""
+    across kv_len is :func:`_gather_partition`'s, handed over once its stage is free.
+
+    ISSUER with KV8: this one warp claims the items and issues the TMA boxes of every tile wholly below
+    kv_len into the staging slots (:func:`_stage_partition`); :func:`_widen_partition` does the rest."""
+    if geo.ISSUER and geo.KV8:
+        _stage_partition(sched, stg, src, k_desc, k1_desc, v_desc, v1_desc, geo)
+    else:
+        _load_tiles(sched, ring, stg, slots, src, k_desc, k1_desc, v_desc, v1_desc, q_desc, geo)
+
+
+@gluon.jit
+def _stage_partition(sched: Schedule, stg: Staging, src: KVSource, k_desc, k1_desc, v_desc, v1_desc, geo: Geometry):
+    """ISSUER with KV8 (one warp): the program's c-th key tile into staging slot c % S8 by TMA boxes
+    once the widening warps released the slot's last tile; the tile across kv_len is theirs to gather."""
+    S8: gl.constexpr = geo.S8
+    c = gl.program_id(0) * 0
+    r = gl.program_id(0) * 0
+    item = sched.claim(r)
+    while sched.more(item, r):
+        if sched.dynamic != 0:
+            sched.post(item, r, geo.TMA_WARPS)
+        w = sched.work_item(item, geo, False)
+        t_lo, n_load = _load_span(sched, w, geo)
+        for i in range(n_load):
+            t = t_lo + i
+            if (t + 1) * geo.BLOCK_N <= w.kv_len:
+                n = c + i
+                slot = n % S8
+                mbarrier.wait(stg.empty.index(slot), ((n // S8) & 1) ^ 1)
+                _stage_boxes(stg, slot, src, w, t, k_desc, k1_desc, v_desc, v1_desc, geo)
+        c += n_load
+        r += 1
+        item = sched.claim(r)
+    if sched.dynamic != 0:  # (item >= total: the consumers' and widening warps' stop)
+        sched.reset(item)
+        sched.post(item, r, geo.TMA_WARPS)
+
+
+@gluon.jit
+def _load_tiles(
+    sched: Schedule,
+    ring: KVRing,
+    stg: Staging,
+    slots: QSlots,
+    src: KVSource,
+    k_desc,
+    k1_desc,
+    v_desc,
+    v1_desc,
+    q_desc,
+    geo: Geometry,
+):
+    """:func:`_load_partition`'s tile loop (every mode but ISSUER with KV8)."""
     STAGES: gl.constexpr = geo.STAGES
     BLOCK_N: gl.constexpr = geo.BLOCK_N
     DQ0: gl.constexpr = geo.DQ0
