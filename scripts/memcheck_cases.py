@@ -3,7 +3,7 @@
 off, so that every tensor is its own allocation and any access outside one is reported.
 
 Paths: the Hopper kernel (TMA and cp.async K/V, TMA copies from one issuing warp, fp8 K/V through
-its staging slots (filled by one issuing warp at D 64), Q by TMA and by the consumers, static and
+its staging slots (filled by one issuing warp at D 64 / 96), Q by TMA and by the consumers, static and
 dynamic scheduling, a last round split into shares and their merge, window / soft-cap / sinks), the
 portable kernel (paged,
 ragged, split-KV, fp8, D 96 / 256, CSR pages), the device metadata kernel (device lengths and
@@ -94,6 +94,12 @@ def main() -> int:
             dict(dqk=64, page_size=16, dtype=BF16, kv_dtype=E4M3),
             "triton",
             dict(hopper_knobs=dict(dynamic=1)),
+        ),
+        (
+            "hopper fp8kv d96 ragged issuing warp gqa3",
+            dict(dqk=96, page_size=0, dtype=F16, hq=6, hkv=2, kv_dtype=E4M3),
+            "triton",
+            dict(hopper_knobs=dict(dynamic=0)),
         ),
         (
             "hopper fp8 qkv paged16 tma",

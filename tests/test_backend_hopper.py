@@ -68,7 +68,7 @@ def test_config_knobs_are_validated():
 
 def test_one_warp_issues_the_copies_only_where_they_are_tma_copies_of_16_bit_tiles():
     """The load warps' warpgroup is one issuing warp and two gather warps where K/V tiles of <= 64 keys
-    come by TMA in q's dtype, or as 8-bit tiles widened at D 64; 128-key tiles, the other 8-bit paths
+    come by TMA in q's dtype, or as 8-bit tiles widened at D 64 / 96; 128-key tiles, the other 8-bit paths
     (widened or transposed by every load warp) and the cp.async gather keep their load warps."""
     plan = hp.HopperPlan(batch_of(_case(dtype=BF16)))
     tma = plan._kernel_constexprs(plan.cfg, False, False, True, True)
@@ -78,14 +78,18 @@ def test_one_warp_issues_the_copies_only_where_they_are_tma_copies_of_16_bit_til
     with tuning.override("hopper", wide=1):  # (128-key tiles: the load warps in step)
         wide = hp.HopperPlan(batch_of(_case(dtype=BF16)))
         assert wide.cfg.BLOCK_N == 128 and not wide._kernel_constexprs(wide.cfg, False, False, True, True)["ISSUER"]
-    for kv, q, d in ((E4M3, BF16, 128), (E4M3, BF16, 96), (E4M3, E4M3, 64), (E4M3, E4M3, 128)):
-        p8 = hp.HopperPlan(batch_of(_case(dtype=q, kv_dtype=kv, dqk=d, dvo=d)))
+    for kv, q, dqk, dvo in ((E4M3, BF16, 128, 128), (E4M3, BF16, 192, 128), (E4M3, BF16, 256, 256)):
+        p8 = hp.HopperPlan(batch_of(_case(dtype=q, kv_dtype=kv, dqk=dqk, dvo=dvo)))
         eight = p8._kernel_constexprs(p8.cfg, False, False, True, True)
         assert not eight["ISSUER"] and eight["LOAD_WARPS"] == p8.cfg.load_warps
-    p64 = hp.HopperPlan(batch_of(_case(dtype=BF16, kv_dtype=E4M3, dqk=64, dvo=64)))
-    widened = p64._kernel_constexprs(p64.cfg, False, False, True, True)
-    assert widened["ISSUER"] and widened["LOAD_WARPS"] == hp.ISSUER_GATHER_WARPS and widened["STAGING"] > 0
-    assert not p64._kernel_constexprs(p64.cfg, False, False, False, False)["ISSUER"]  # (cp.async: every warp)
+    for d in (64, 128):  # (e4m3 q: V transposed by every load warp)
+        p8 = hp.HopperPlan(batch_of(_case(dtype=E4M3, kv_dtype=E4M3, dqk=d, dvo=d)))
+        assert not p8._kernel_constexprs(p8.cfg, False, False, True, True)["ISSUER"]
+    for d in (64, 96):
+        p8 = hp.HopperPlan(batch_of(_case(dtype=BF16, kv_dtype=E4M3, dqk=d, dvo=d)))
+        widened = p8._kernel_constexprs(p8.cfg, False, False, True, True)
+        assert widened["ISSUER"] and widened["LOAD_WARPS"] == hp.ISSUER_GATHER_WARPS and widened["STAGING"] > 0
+        assert not p8._kernel_constexprs(p8.cfg, False, False, False, False)["ISSUER"]  # (cp.async: every warp)
 
 
 def test_row_sums_on_the_tensor_cores_where_measured_faster():

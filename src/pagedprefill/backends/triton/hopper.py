@@ -155,12 +155,12 @@ def issues_alone(batch: PrefillBatch, cfg: Config, use_tma: bool) -> bool:
     +8%, D 256 +6%, D 96 +5%, D 64 +3%, 16k +2%), 128 sequences of <= 256 queries -1.5%; on
     WIDE's 128-key tiles (pages of 64) -2.5%, where its two gather warps also spill.
 
-    8-bit K/V widened for 16-bit q, by TMA, at D 64: the two warps widen every tile (and gather the one
-    across kv_len) while the issuing warp fills the staging slots: +8% on d64_b16_q2k with e4m3 K/V.
-    At D 128 two warps widen too slowly (-2% on fp8kv_b8_q2k), and four beside the issuing warp are
-    two warpgroups of 24 registers (-9%)."""
+    8-bit K/V widened for 16-bit q, by TMA, at D 64 and 96: the two warps widen every tile (and gather
+    the one across kv_len) while the issuing warp fills the staging slots: +8% on d64_b16_q2k and +12%
+    on d96_mha_b4_q4k with e4m3 K/V. At D 128 two warps widen too slowly (-2% on fp8kv_b8_q2k; four
+    beside the issuing warp are two warpgroups of 24 registers: -9%), Dqk 192 -7.5%, D 256 level."""
     if batch.fp8_kv and not batch.fp8_q:
-        return use_tma and cfg.BLOCK_N <= 64 and (batch.head_dim_qk, batch.head_dim_vo) == (64, 64)
+        return use_tma and cfg.BLOCK_N <= 64 and (batch.head_dim_qk, batch.head_dim_vo) in ((64, 64), (96, 96))
     return _k16_by_tma(batch, use_tma) and cfg.BLOCK_N <= 64
 
 
