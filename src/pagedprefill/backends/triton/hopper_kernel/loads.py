@@ -588,7 +588,113 @@ def _load_partition(
     if geo.ISSUER and geo.KV8:
         _stage_partition(sched, stg, src, k_desc, k1_desc, v_desc, v1_desc, geo)
     else:
-        _load_tiles(sched, ring, stg, slots, src, k_desc, k1_desc, v_desc, v1_desc, q_desc, geo)
+        STAGES: gl.constexpr = geo.STAGES
+        BLOCK_N: gl.constexpr = geo.BLOCK_N
+        DQ0: gl.constexpr = geo.DQ0
+        DQ1: gl.constexpr = geo.DQ1
+        S8: gl.constexpr = geo.S8
+        c = gl.program_id(0) * 0  # tiles this program has loaded so far
+        r = gl.program_id(0) * 0  # rounds (items) so far
+        item = sched.claim(r)
+        while sched.more(item, r):
+            if sched.dynamic != 0:
+                sched.post(item, r, geo.TMA_WARPS)
+            w = sched.work_item(item, geo, False)
+            t_lo, n_load = _load_span(sched, w, geo)
+            # (Q_TMA: the item's Q goes out once its tile STAGES - 2 has a stage: the consumers have then
+            # released the tile two before it, so when the last item had >= 2 tiles they are past its last
+            # QK GEMM; with O_STAGE they hand the slots back only after the last item's epilogue read O
+            # from them, so the empty wait may wait for that; or after the item's last tile. SPLIT releases
+            # K a tile earlier, so that stage no longer implies the last QK GEMM is done: _issue_q's own
+            # wait on the slots' empty barrier is what guards Q, here as everywhere)
+            q_at = gl.minimum(n_load, STAGES - 2)
+            if geo.KV8 or geo.F8:  # (the item's first S8 - 1 tiles into staging; the slots' last tiles are widened)
+                for j in gl.static_range(S8 - 1):
+                    if j < n_load:
+                        _stage(stg, (c + j) % S8, src, w, t_lo + j, k_desc, k1_desc, v_desc, v1_desc, geo)
+            for i in range(n_load):
+                t = t_lo + i
+                s = (c + i) % STAGES
+                if geo.KV8 or geo.F8:  # (slot (c + i - 1) % S8: widened in the last step, which ended in a group sync)
+                    if i + S8 - 1 < n_load:
+                        nxt = c + i + S8 - 1
+                        _stage(stg, nxt % S8, src, w, t + S8 - 1, k_desc, k1_desc, v_desc, v1_desc, geo)
+                ids = t
+                # (16-bit K/V: the tile's page ids loaded before the wait, their latency under it; on the
+                # 8-bit paths, bound by their load warps, loading them after it measured faster: decisions.md)
+                if geo.USE_TMA and geo.PAGE_SIZE > 0 and not (geo.KV8 or geo.F8):
+                    ids = _tile_pages(src, w, t, geo, True)
+                mbarrier.wait(ring.empty.index(s), (((c + i) // STAGES) & 1) ^ 1)
+                if geo.Q_TMA:
+                    if i == q_at:
+                        _issue_q(q_desc, slots, w, r, geo)
+                if geo.KV8:
+                    _staged(stg, c + i, w, t, geo)
+                    _widen(stg, (c + i) % S8, ring, s, geo)
+                    fence_async_shared()  # (the widened tiles' generic writes before the consumers' wgmma)
+                    mbarrier.arrive(ring.full.index(s))  # (a group sync, then one arrive)
+                elif geo.F8:  # K straight into the ring (as for 16-bit K/V), then V transposed from staging
+                    if not geo.USE_TMA:
+                        src.gather(
+                            ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo, True, False
+                        )
+                        async_copy.mbarrier_arrive(ring.full.index(s), increment_count=False)
+                    elif (t + 1) * BLOCK_N <= w.kv_len:
+                        mbarrier.expect(ring.full.index(s), BLOCK_N * (DQ0 + DQ1))
+                        k_ids = t
+                        if geo.PAGE_SIZE > 0:
+                            k_ids = _tile_pages(src, w, t, geo, False)
+                        _tma_tile(
+                            ring,
+                            s,
+                            ring.full.index(s),
+                            src,
+                            w,
+                            t,
+                            k_ids,
+                            k_desc,
+                            k1_desc,
+                            v_desc,
+                            v1_desc,
+                            geo,
+                            True,
+                            False,
+                        )
+                    else:
+                        src.gather(
+                            ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo, True, False
+                        )
+                        async_copy.commit_group()
+                        async_copy.wait_group(0)
+                        mbarrier.arrive(ring.full.index(s))
+                    _staged(stg, c + i, w, t, geo)
+                    _transpose_v(stg.v.index((c + i) % S8), ring.v.index(s), geo)
+                    fence_async_shared()  # (V's generic writes before the consumers' wgmma)
+                    mbarrier.arrive(ring.full.index(s))
+                elif geo.USE_TMA:
+                    v_empty_phase = (((c + i) // STAGES) & 1) ^ 1
+                    if (t + 1) * BLOCK_N <= w.kv_len:
+                        _tma_kv(ring, s, v_empty_phase, src, w, t, ids, k_desc, k1_desc, v_desc, v1_desc, geo)
+                    elif not geo.ISSUER:  # (ISSUER: the gather warps' tile; 128-key tiles are the load warps')
+                        _gather_tail(ring, s, v_empty_phase, src, w, t, geo)
+                else:
+                    src.gather(
+                        ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo, True, True
+                    )
+                    async_copy.mbarrier_arrive(ring.full.index(s), increment_count=False)
+            if geo.ISSUER:  # (the stage of the item's last tile is free: the gather warps may fill it)
+                hs = r % ITEM_RING
+                mbarrier.wait(ring.tail_done.index(hs), ((r // ITEM_RING) & 1) ^ 1)
+                mbarrier.arrive(ring.tail_go.index(hs))
+            if geo.Q_TMA:
+                if q_at == n_load:
+                    _issue_q(q_desc, slots, w, r, geo)
+            c += n_load
+            r += 1
+            item = sched.claim(r)
+        if sched.dynamic != 0:  # (item >= total: the consumers' and gather warps' stop)
+            sched.reset(item)
+            sched.post(item, r, geo.TMA_WARPS)
 
 
 @gluon.jit
@@ -615,127 +721,5 @@ def _stage_partition(sched: Schedule, stg: Staging, src: KVSource, k_desc, k1_de
         r += 1
         item = sched.claim(r)
     if sched.dynamic != 0:  # (item >= total: the consumers' and widening warps' stop)
-        sched.reset(item)
-        sched.post(item, r, geo.TMA_WARPS)
-
-
-@gluon.jit
-def _load_tiles(
-    sched: Schedule,
-    ring: KVRing,
-    stg: Staging,
-    slots: QSlots,
-    src: KVSource,
-    k_desc,
-    k1_desc,
-    v_desc,
-    v1_desc,
-    q_desc,
-    geo: Geometry,
-):
-    """:func:`_load_partition`'s tile loop (every mode but ISSUER with KV8)."""
-    STAGES: gl.constexpr = geo.STAGES
-    BLOCK_N: gl.constexpr = geo.BLOCK_N
-    DQ0: gl.constexpr = geo.DQ0
-    DQ1: gl.constexpr = geo.DQ1
-    S8: gl.constexpr = geo.S8
-    c = gl.program_id(0) * 0  # tiles this program has loaded so far
-    r = gl.program_id(0) * 0  # rounds (items) so far
-    item = sched.claim(r)
-    while sched.more(item, r):
-        if sched.dynamic != 0:
-            sched.post(item, r, geo.TMA_WARPS)
-        w = sched.work_item(item, geo, False)
-        t_lo, n_load = _load_span(sched, w, geo)
-        # (Q_TMA: the item's Q goes out once its tile STAGES - 2 has a stage: the consumers have then
-        # released the tile two before it, so when the last item had >= 2 tiles they are past its last
-        # QK GEMM; with O_STAGE they hand the slots back only after the last item's epilogue read O
-        # from them, so the empty wait may wait for that; or after the item's last tile. SPLIT releases
-        # K a tile earlier, so that stage no longer implies the last QK GEMM is done: _issue_q's own
-        # wait on the slots' empty barrier is what guards Q, here as everywhere)
-        q_at = gl.minimum(n_load, STAGES - 2)
-        if geo.KV8 or geo.F8:  # (the item's first S8 - 1 tiles into staging; the slots' last tiles are widened)
-            for j in gl.static_range(S8 - 1):
-                if j < n_load:
-                    _stage(stg, (c + j) % S8, src, w, t_lo + j, k_desc, k1_desc, v_desc, v1_desc, geo)
-        for i in range(n_load):
-            t = t_lo + i
-            s = (c + i) % STAGES
-            if geo.KV8 or geo.F8:  # (slot (c + i - 1) % S8: widened in the last step, which ended in a group sync)
-                if i + S8 - 1 < n_load:
-                    nxt = c + i + S8 - 1
-                    _stage(stg, nxt % S8, src, w, t + S8 - 1, k_desc, k1_desc, v_desc, v1_desc, geo)
-            ids = t
-            # (16-bit K/V: the tile's page ids loaded before the wait, their latency under it; on the
-            # 8-bit paths, bound by their load warps, loading them after it measured faster: decisions.md)
-            if geo.USE_TMA and geo.PAGE_SIZE > 0 and not (geo.KV8 or geo.F8):
-                ids = _tile_pages(src, w, t, geo, True)
-            mbarrier.wait(ring.empty.index(s), (((c + i) // STAGES) & 1) ^ 1)
-            if geo.Q_TMA:
-                if i == q_at:
-                    _issue_q(q_desc, slots, w, r, geo)
-            if geo.KV8:
-                _staged(stg, c + i, w, t, geo)
-                _widen(stg, (c + i) % S8, ring, s, geo)
-                fence_async_shared()  # (the widened tiles' generic writes before the consumers' wgmma)
-                mbarrier.arrive(ring.full.index(s))  # (a group sync, then one arrive)
-            elif geo.F8:  # K straight into the ring (as for 16-bit K/V), then V transposed from staging
-                if not geo.USE_TMA:
-                    src.gather(
-                        ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo, True, False
-                    )
-                    async_copy.mbarrier_arrive(ring.full.index(s), increment_count=False)
-                elif (t + 1) * BLOCK_N <= w.kv_len:
-                    mbarrier.expect(ring.full.index(s), BLOCK_N * (DQ0 + DQ1))
-                    k_ids = t
-                    if geo.PAGE_SIZE > 0:
-                        k_ids = _tile_pages(src, w, t, geo, False)
-                    _tma_tile(
-                        ring,
-                        s,
-                        ring.full.index(s),
-                        src,
-                        w,
-                        t,
-                        k_ids,
-                        k_desc,
-                        k1_desc,
-                        v_desc,
-                        v1_desc,
-                        geo,
-                        True,
-                        False,
-                    )
-                else:
-                    src.gather(
-                        ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo, True, False
-                    )
-                    async_copy.commit_group()
-                    async_copy.wait_group(0)
-                    mbarrier.arrive(ring.full.index(s))
-                _staged(stg, c + i, w, t, geo)
-                _transpose_v(stg.v.index((c + i) % S8), ring.v.index(s), geo)
-                fence_async_shared()  # (V's generic writes before the consumers' wgmma)
-                mbarrier.arrive(ring.full.index(s))
-            elif geo.USE_TMA:
-                v_empty_phase = (((c + i) // STAGES) & 1) ^ 1
-                if (t + 1) * BLOCK_N <= w.kv_len:
-                    _tma_kv(ring, s, v_empty_phase, src, w, t, ids, k_desc, k1_desc, v_desc, v1_desc, geo)
-                elif not geo.ISSUER:  # (ISSUER: the gather warps' tile; 128-key tiles are the load warps')
-                    _gather_tail(ring, s, v_empty_phase, src, w, t, geo)
-            else:
-                src.gather(ring.k.index(s), ring.k1.index(s), ring.v.index(s), ring.v1.index(s), w, t, geo, True, True)
-                async_copy.mbarrier_arrive(ring.full.index(s), increment_count=False)
-        if geo.ISSUER:  # (the stage of the item's last tile is free: the gather warps may fill it)
-            hs = r % ITEM_RING
-            mbarrier.wait(ring.tail_done.index(hs), ((r // ITEM_RING) & 1) ^ 1)
-            mbarrier.arrive(ring.tail_go.index(hs))
-        if geo.Q_TMA:
-            if q_at == n_load:
-                _issue_q(q_desc, slots, w, r, geo)
-        c += n_load
-        r += 1
-        item = sched.claim(r)
-    if sched.dynamic != 0:  # (item >= total: the consumers' and gather warps' stop)
         sched.reset(item)
         sched.post(item, r, geo.TMA_WARPS)
