@@ -412,6 +412,16 @@ def _widen(stg: Staging, slot, ring: KVRing, s, geo: Geometry):
 
 
 @gluon.jit
+def _widen_staged(stg: Staging, n, w: WorkItem, t, ring: KVRing, s, geo: Geometry):
+    """KV8: the load warps' n-th tile (key tile t of item w), once landed in its staging slot
+    (:func:`_staged`), widened into ring stage s and signalled (a group sync, then one arrive)."""
+    _staged(stg, n, w, t, geo)
+    _widen(stg, n % geo.S8, ring, s, geo)
+    fence_async_shared()  # (the widened tiles' generic writes before the consumers' wgmma)
+    mbarrier.arrive(ring.full.index(s))
+
+
+@gluon.jit
 def _load_span(sched: Schedule, w: WorkItem, geo: Geometry):
     """Item w's first key tile to load and how many from there (a share's first tile; with a window,
     tiles wholly below every row's window are never loaded)."""
@@ -512,12 +522,7 @@ def _widen_partition(sched: Schedule, ring: KVRing, stg: Staging, slots: QSlots,
                     stg.k.index(slot), stg.k1.index(slot), stg.v.index(slot), stg.v1.index(slot), w, t, geo, True, True
                 )
                 async_copy.commit_group()
-                async_copy.wait_group(0)
-                mbarrier.arrive(stg.full.index(slot))  # (a group sync, then one arrive: the phase as a TMA tile's)
-            mbarrier.wait(stg.full.index(slot), (n // S8) & 1)
-            _widen(stg, slot, ring, s, geo)
-            fence_async_shared()  # (the widened tiles' generic writes before the consumers' wgmma)
-            mbarrier.arrive(ring.full.index(s))
+            _widen_staged(stg, n, w, t, ring, s, geo)
             mbarrier.arrive(stg.empty.index(slot))
         if geo.Q_TMA:
             if q_at == n_load:
@@ -629,10 +634,7 @@ def _load_partition(
                     if i == q_at:
                         _issue_q(q_desc, slots, w, r, geo)
                 if geo.KV8:
-                    _staged(stg, c + i, w, t, geo)
-                    _widen(stg, (c + i) % S8, ring, s, geo)
-                    fence_async_shared()  # (the widened tiles' generic writes before the consumers' wgmma)
-                    mbarrier.arrive(ring.full.index(s))  # (a group sync, then one arrive)
+                    _widen_staged(stg, c + i, w, t, ring, s, geo)
                 elif geo.F8:  # K straight into the ring (as for 16-bit K/V), then V transposed from staging
                     if not geo.USE_TMA:
                         src.gather(
