@@ -150,8 +150,11 @@ def test_fp8(kv_dtype, q_fp8, dqk):
         kv_dtype=kv_dtype,
         device=DEVICE,
     )
+    out_dtype = (BF16 if HAS_CUDA else F16) if q_fp8 else q_dtype
+    if out_dtype != case.kwargs["out"].dtype:  # (the interpreter cannot round to bf16: an fp16 out on the CPU)
+        case.kwargs["out"] = torch.full_like(case.kwargs["out"], float("nan"), dtype=out_dtype)
     out, _ = run_and_check(case, 2.5e-2)
-    assert out.dtype == (BF16 if q_fp8 else q_dtype)
+    assert out.dtype == out_dtype
 
 
 def test_head_dim_split():
@@ -419,6 +422,14 @@ def test_interpreter_refuses_bf16_dots():
         case = make_case(75, lens_q=[3], lens_kv=[5], page_size=2, dtype=BF16, kv_dtype=kv)
         before = case.kwargs["out"].clone()
         with pytest.raises(ValueError, match="interpreter.*bfloat16"):
+            call(case)
+        assert torch.equal(before.view(torch.int16), case.kwargs["out"].view(torch.int16))
+    # a bfloat16 output of float16 or 8-bit inputs: the interpreter's cast truncates, so it is refused too
+    for q_dt, kv in ((F16, F16), (torch.float8_e4m3fn, torch.float8_e4m3fn)):
+        case = make_case(76, lens_q=[3], lens_kv=[5], page_size=2, dtype=q_dt, kv_dtype=kv)
+        case.kwargs["out"] = torch.full_like(case.kwargs["out"], float("nan"), dtype=BF16)
+        before = case.kwargs["out"].clone()
+        with pytest.raises(ValueError, match="interpreter.*round to a bfloat16 output.*o_data_type"):
             call(case)
         assert torch.equal(before.view(torch.int16), case.kwargs["out"].view(torch.int16))
 

@@ -568,6 +568,9 @@ def test_run_checks_out_and_names_the_cache_as_flashinfer_does():
     with pytest.raises(ValueError, match=r"^paged_kv_cache \(k\): expected 2 heads") as e:
         w.run(kw["q"], (kw["k_cache"][:, :1], kw["v_cache"][:, :1]))
     assert "k_cache" not in str(e.value).replace("paged_kv_cache", "")
+    with pytest.raises(ValueError, match=r"^paged_kv_cache: expected a \(k_cache, v_cache\) tuple") as e:
+        w.run(kw["q"], (kw["k_cache"], kw["v_cache"], kw["v_cache"]))
+    assert "tuple of 3: tensor of shape" in str(e.value) and "tensor([" not in str(e.value)  # (shapes, not values)
 
 
 def test_paged_run_of_an_fp8_cache_without_scales_takes_scales_of_one():
@@ -583,3 +586,62 @@ def test_paged_run_of_an_fp8_cache_without_scales_takes_scales_of_one():
     torch.testing.assert_close(w.run(kw["q"], cache), ones, rtol=0, atol=0)
     assert not torch.equal(ones, w.run(kw["q"], cache, k_scale=kw["k_scale"], v_scale=kw["v_scale"]))
     check(case, w.run(kw["q"], cache, k_scale=kw["k_scale"], v_scale=kw["v_scale"]), None, atol=2.5e-2)
+
+
+@pytest.mark.parametrize("head_dim_qk", [0, -4, None])
+def test_plan_names_a_bad_head_dim_qk(head_dim_qk):
+    """The default scale 1 / sqrt(head_dim_qk) is taken only after head_dim_qk is checked by name."""
+    case = _case()
+    kw = case.kwargs
+    indptr, indices, last = _csr(case)
+    paged = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(kw["workspace_buffer"], "NHD")
+    with pytest.raises(ValueError, match="^head_dim_qk: expected"):
+        paged.plan(_qo_indptr(case), indptr, indices, last, 6, 2, head_dim_qk, 4, q_data_type=F32)
+    ragged = pagedprefill.BatchPrefillWithRaggedKVCacheWrapper(kw["workspace_buffer"], "NHD")
+    with pytest.raises(ValueError, match="^head_dim_qk: expected"):
+        ragged.plan(_qo_indptr(case), indptr, 6, 2, head_dim_qk, q_data_type=F32)
+
+
+def test_csr_lengths_are_named_against_qo_indptr():
+    """A CSR vector whose length does not fit qo_indptr's batch names itself and says it is measured
+    against qo_indptr (either of the two may be the wrong one)."""
+    case = _case()
+    kw = case.kwargs
+    indptr, indices, last = _csr(case)
+    w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(kw["workspace_buffer"], "NHD")
+    qo = _qo_indptr(case)
+    long_qo = torch.cat([qo, qo[-1:] + 1])
+    with pytest.raises(ValueError, match=r"^paged_kv_indptr: expected 6 entries \(as many entries as qo_indptr"):
+        w.plan(long_qo, indptr, indices, last, 6, 2, 32, 4, q_data_type=F32)
+    with pytest.raises(ValueError, match=r"^paged_kv_last_page_len: expected 4 entries \(qo_indptr's entries less 1"):
+        w.plan(qo, indptr, indices, last[:-1], 6, 2, 32, 4, q_data_type=F32)
+    r = pagedprefill.BatchPrefillWithRaggedKVCacheWrapper(kw["workspace_buffer"], "NHD")
+    with pytest.raises(ValueError, match=r"^kv_indptr: expected 6 entries \(as many entries as qo_indptr"):
+        r.plan(long_qo, indptr, 6, 2, 32, q_data_type=F32)
+
+
+def test_ragged_o_indptr_writes_an_out_of_its_own_rows():
+    """o_indptr places out's rows elsewhere than q's: a caller's out of those rows is taken (checked by
+    the plan against o_indptr, not against q's rows), rows before the first sequence's stay unwritten,
+    and an out too short for o_indptr is refused before any write."""
+    case = _case(page_size=0)
+    kw = case.kwargs
+    qo = _qo_indptr(case)
+    kv_indptr = torch.tensor([0, *torch.tensor(case.lens_kv).cumsum(0).tolist()], dtype=torch.int32)
+    w = pagedprefill.BatchPrefillWithRaggedKVCacheWrapper(kw["workspace_buffer"], "NHD")
+    w.plan(qo, kv_indptr, 6, 2, 32, causal=kw["causal"], q_data_type=F32, o_indptr=qo + 3)
+    q, k, v = kw["q"], kw["k_cache"], kw["v_cache"]
+    n = int(qo[-1]) + 3
+    short = torch.full((n - 1, 6, 32), float("nan"), device=q.device)
+    with pytest.raises(ValueError, match="^out: expected an out with at least"):
+        w.run(q, k, v, out=short)
+    assert short.isnan().all()
+    with pytest.raises(ValueError, match=r"^out: expected a tensor of shape \(rows up to o_indptr\[-1\]"):
+        w.run(q, k, v, out=torch.empty(n, 6, 16, device=q.device))
+    out = torch.full((n, 6, 32), float("nan"), device=q.device)
+    assert w.run(q, k, v, out=out) is out
+    assert out[:3].isnan().all()
+    ref, _ = reference(case)
+    assert len(ref) == int(qo[-1])
+    for row, want in ref.items():
+        torch.testing.assert_close(out[row + 3].double().cpu(), want, atol=2e-5, rtol=0)

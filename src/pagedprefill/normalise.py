@@ -61,6 +61,8 @@ MIN_SCALE = 2.0**-126  # (float32's smallest normal number: Triton types a float
 
 
 def describe(t: object) -> str:
+    if isinstance(t, (tuple, list)) and any(isinstance(x, Tensor) for x in t):  # (shapes, never values)
+        return f"{type(t).__name__} of {len(t)}: " + "; ".join(describe(x) for x in t[:4])
     if not isinstance(t, Tensor):
         return f"{type(t).__name__} {t!r:.60}"
     return f"tensor of shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"

@@ -102,6 +102,17 @@ def _dtype(name: str, value) -> torch.dtype | None:
     raise fail(name, "a torch.dtype or its name (e.g. 'bfloat16')", repr(value))
 
 
+def _beside_qo(name: str, t: object, qo: Tensor, fewer: int, device: torch.device | None = None) -> Tensor:
+    """A CSR vector of the batch ``qo`` (qo_indptr) describes: ``qo``'s entries less ``fewer``, named
+    against qo_indptr's length (either may be the wrong one)."""
+    t = normalise.vector(name, t, None, device if device is not None else qo.device, False)
+    n = qo.shape[0] - fewer
+    if t.shape[0] != n:
+        what = "as many entries as qo_indptr" if fewer == 0 else f"qo_indptr's entries less {fewer}"
+        raise fail(name, f"{n} entries ({what}, which has {qo.shape[0]}: the batch size + 1)", t.shape[0])
+    return t
+
+
 class _Wrapper:
     _paged: bool
 
@@ -143,6 +154,7 @@ class _Wrapper:
         self._non_blocking = True  # (plan's non_blocking: the use_cuda_graph buffers' copies)
         # a deprecated forward()'s causal / window / soft-cap / scale, which (as in FlashInfer) later runs keep
         self._forwarded: dict = {}
+        self._o_rows_own = False  # (ragged plan with o_indptr: out's rows are the plan's to check, not q's)
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -213,7 +225,7 @@ class _Wrapper:
                 self._bounds = (max_q, max_kv)
             elif max_q > self._bounds[0] or max_kv > self._bounds[1]:
                 raise fail(
-                    "qo_indptr / paged_kv_indptr",
+                    "qo_indptr / paged_kv_indptr" if self._paged else "qo_indptr / kv_indptr",
                     f"sequences no longer than the first plan's bounds (max_token_per_sequence={self._bounds[0]}, "
                     f"max_sequence_kv={self._bounds[1]}: a captured graph is sized for them; pass larger bounds "
                     "to the first plan)",
@@ -251,7 +263,7 @@ class _Wrapper:
             max_token_per_sequence=max_q,
             max_sequence_kv=max_kv,
             causal=args["causal"],
-            scale=sm_scale if sm_scale is not None else 1 / math.sqrt(args["head_dim_qk"]),
+            scale=sm_scale,  # (None: 1 / sqrt(head_dim_qk), once plan() has checked it)
             window_left=args["window_left"],
             logits_soft_cap=args["logits_soft_cap"] or 0.0,
             batch_offsets_units="tokens",
@@ -341,7 +353,12 @@ class _Wrapper:
         v_scale = 1.0 if v_scale is None and v.element_size() == 1 else v_scale
         if out is not None:  # (FlashInfer's check of out: q's rows, Hq, Dvo, the planned output dtype)
             want = (q.shape[0], p.seq.num_qo_heads, p.seq.head_dim_vo)
-            if not isinstance(out, Tensor) or tuple(out.shape) != want:
+            if self._o_rows_own:  # (rows placed by o_indptr: the plan checks that out holds them)
+                if not isinstance(out, Tensor) or out.dim() != 3 or tuple(out.shape[1:]) != want[1:]:
+                    want_o = f"a tensor of shape (rows up to o_indptr[-1], num_qo_heads, head_dim_vo) = (n, {want[1]}, "
+                    want_o += f"{want[2]})"
+                    raise fail("out", want_o, describe(out))
+            elif not isinstance(out, Tensor) or tuple(out.shape) != want:
                 raise fail("out", f"a tensor of shape (q rows, num_qo_heads, head_dim_vo) = {want}", describe(out))
             o_dt = p.o_data_type or (q.dtype if q.element_size() > 1 else None)
             if o_dt is not None and out.dtype != o_dt:
@@ -482,10 +499,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
                 paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, seq_lens, block_tables, page_size
             )
         else:
-            indptr = normalise.vector("paged_kv_indptr", paged_kv_indptr, qo_indptr.shape[0], qo_indptr.device, False)
-            last = normalise.vector(
-                "paged_kv_last_page_len", paged_kv_last_page_len, qo_indptr.shape[0] - 1, qo_indptr.device, False
-            )
+            indptr = _beside_qo("paged_kv_indptr", paged_kv_indptr, qo_indptr, 0)
+            last = _beside_qo("paged_kv_last_page_len", paged_kv_last_page_len, qo_indptr, 1)
             kv = dict(kv_indptr=indptr, kv_indices=paged_kv_indices, kv_last_page_len=last)
             kv_host = None
             if indptr.device.type == "cpu" and last.device.type == "cpu":
@@ -698,7 +713,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         self._plan_args(locals(), "seq_lens")
         dev = self._workspace.device
         qo = normalise.vector("qo_indptr", qo_indptr, None, dev, False)
-        kvp = normalise.vector("kv_indptr", kv_indptr, qo.shape[0], dev, False)
+        kvp = _beside_qo("kv_indptr", kv_indptr, qo, 0, dev)
         _check_indptr("qo_indptr", qo)
         _check_indptr("kv_indptr", kvp)
         lens_q, lens_kv = qo[1:] - qo[:-1], kvp[1:] - kvp[:-1]
@@ -720,6 +735,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
             offs["batch_offsets_o"] = qo if o_indptr is None else offs["batch_offsets_o"]
             offs["batch_offsets_v"] = kvp if v_indptr is None else offs["batch_offsets_v"]
         self._make_plan(locals(), qo, 0, lens_q, max_q, max_kv, actual_seq_lens_kv=lens_kv, **offs)
+        self._o_rows_own = o_indptr is not None
 
     begin_forward = plan
 

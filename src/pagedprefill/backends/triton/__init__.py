@@ -43,6 +43,13 @@ def unsupported_reason(batch: PrefillBatch) -> str | None:
             "Triton's CPU interpreter (TRITON_INTERPRET=1) cannot compute bfloat16 dots (it returns wrong "
             "values): on the CPU use float16 or float32 q / k_cache / v_cache, or backend='torch'"
         )
+    if launch.INTERPRETED and batch.out_dtype == torch.bfloat16:
+        # (its float32 -> bfloat16 cast truncates instead of rounding: half the outputs one bf16 step off)
+        return (
+            "Triton's CPU interpreter (TRITON_INTERPRET=1) cannot round to a bfloat16 output (it truncates): "
+            "on the CPU pass o_data_type=torch.float16 or torch.float32 (fp8 q's output is bfloat16 by default), "
+            "or backend='torch'"
+        )
     if batch.fp8_kv and batch.device.type == "cuda" and not launch.INTERPRETED:
         if torch.cuda.get_device_capability(batch.device) < (8, 9):
             return "fp8 K/V needs CUDA compute capability >= 8.9 in the Triton kernels"
