@@ -355,9 +355,8 @@ class _Wrapper:
             want = (q.shape[0], p.seq.num_qo_heads, p.seq.head_dim_vo)
             if self._o_rows_own:  # (rows placed by o_indptr: the plan checks that out holds them)
                 if not isinstance(out, Tensor) or out.dim() != 3 or tuple(out.shape[1:]) != want[1:]:
-                    want_o = f"a tensor of shape (rows up to o_indptr[-1], num_qo_heads, head_dim_vo) = (n, {want[1]}, "
-                    want_o += f"{want[2]})"
-                    raise fail("out", want_o, describe(out))
+                    shape = f"(rows up to o_indptr[-1], num_qo_heads, head_dim_vo) = (n, {want[1]}, {want[2]})"
+                    raise fail("out", f"a tensor of shape {shape}", describe(out))
             elif not isinstance(out, Tensor) or tuple(out.shape) != want:
                 raise fail("out", f"a tensor of shape (q rows, num_qo_heads, head_dim_vo) = {want}", describe(out))
             o_dt = p.o_data_type or (q.dtype if q.element_size() > 1 else None)
