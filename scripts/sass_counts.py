@@ -4,7 +4,7 @@
 
 Each spec is a named shape (``SHAPES``) with optional Hopper knobs after a colon. The real launch of a
 small batch of that shape is compiled for sm_90a (Triton's ptxas), disassembled (cuobjdump), and
-printed: shared memory, spill stores, the opcode counts of the consumers' key loop (the
+printed: shared memory, spill stores, whether ptxas serialized the wgmmas (C7512), the opcode counts of the consumers' key loop (the
 innermost loop holding wgmmas, once per consumer warpgroup's code: both its masked and unmasked tile
 paths) and of the loop that issues the K/V tiles' TMA copies (all its paths; every warp of its
 partition runs it). Counts are static instructions, not executed ones: compare two trees or two knob
@@ -126,6 +126,7 @@ def compile_spec(spec: str, workdir: str) -> str:
     ).stderr
     sass = subprocess.run([bindir / "cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
     spill = max([int(x) for x in re.findall(r"(\d+) bytes spill stores", log)] or [0])
+    serial = " | wgmmas SERIALIZED (ptxas C7512)" if "are serialized" in log else ""
     loop = key_loop(sass)
     shown = " ".join(f"{op}={loop[op]}" for op in SHOWN if loop[op])
     tma = tma_loop(sass)
@@ -133,6 +134,7 @@ def compile_spec(spec: str, workdir: str) -> str:
     return (
         f"{spec:28s} shared {c.metadata.shared:6d} B, spill {spill:4d} B | key loop {sum(loop.values()):4d}: {shown}"
         + (f" | TMA loop {sum(tma.values()):4d}: {tma_shown}" if tma else "")
+        + serial
     )
 
 
