@@ -4,11 +4,12 @@
 
 Each spec is a named shape (``SHAPES``) with optional Hopper knobs after a colon. The real launch of a
 small batch of that shape is compiled for sm_90a (Triton's ptxas), disassembled (cuobjdump), and
-printed: shared memory, spill stores, whether ptxas serialized the wgmmas (C7512), the opcode counts of the consumers' key loop (the
-innermost loop holding wgmmas, once per consumer warpgroup's code: both its masked and unmasked tile
-paths) and of the loop that issues the K/V tiles' TMA copies (all its paths; every warp of its
-partition runs it). Counts are static instructions, not executed ones: compare two trees or two knob
-sets with them (``PYTHONPATH=_ab/NAME/src``) before spending device time, then time what they suggest.
+printed: shared memory, spill stores, whether ptxas serialized the wgmmas (C7512), the opcode counts of
+the consumers' key loop (the innermost loop holding wgmmas, once per consumer warpgroup's code: both its
+masked and unmasked tile paths) and of the loop that issues the K/V tiles' TMA copies (all its paths;
+every warp of its partition runs it). Counts are static instructions, not executed ones: compare two
+trees or two knob sets with them (``PYTHONPATH=_ab/NAME/src``) before spending device time, then time
+what they suggest.
 """
 
 from __future__ import annotations
