@@ -177,6 +177,15 @@ def test_unusual_scales(scale):
     run_and_check(case, 1e-4)
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="on a GPU the kernels take tanh.approx.f32, as FlashInfer's do")
+@pytest.mark.parametrize("cap", [1e3, 1e5])
+def test_large_soft_cap_keeps_float32_precision(cap):
+    """cap * tanh(s / cap) with s / cap near 0: the interpreter's tanh must not lose s's digits there
+    (2 / (1 + e^-2x) - 1 alone: an absolute error of ~6e-8 x cap in every logit, 6e-3 in out at 1e5)."""
+    case = make_case(33, lens_q=[6, 11], lens_kv=[9, 20], page_size=3, dtype=F32, scale=3.0, logits_soft_cap=cap)
+    run_and_check(case, 2e-5)
+
+
 @pytest.mark.parametrize("window", [2**31 - 1, 2**31 + 5, 30])
 @pytest.mark.parametrize("causal", [True, False])
 def test_window_as_wide_as_every_key(window, causal):

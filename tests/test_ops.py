@@ -112,6 +112,41 @@ def test_plan_run_compiled_fullgraph_matches_oracle():
     check(case, out, lse, atol=ATOL, lse_atol=ATOL)
 
 
+def test_compiled_fullgraph_with_changing_float_arguments():
+    """A soft-cap (one-shot) or v_scale (plan.run) that changes between calls: torch.compile leaves
+    such a float unspecialised, and the checks before the op must still trace; a non-finite one is
+    still refused, never passed on."""
+    kw0 = _case(71, page_size=3, lse_layout="padded").kwargs
+    q = kw0["q"]
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def capped(q, out, lse, cap):
+        return ops.batch_prefill_with_kv_cache(**dict(kw0, q=q, out=out, lse=lse, logits_soft_cap=cap))
+
+    for cap in (3.0, 1.0, 0.5):
+        case = _case(71, page_size=3, lse_layout="padded", logits_soft_cap=cap)  # (same data, fresh buffers)
+        out, lse = capped(q, case.kwargs["out"], case.kwargs["lse"], cap)
+        check(case, out, lse, atol=ATOL, lse_atol=ATOL)
+    with pytest.raises(Exception, match="logits_soft_cap"):
+        capped(q, case.kwargs["out"], case.kwargs["lse"], float("inf"))
+
+    case = _case(72, page_size=4, lse_layout="padded")
+    kw = case.kwargs
+    p = plan_of(case, "torch" if DEVICE == "cpu" else "auto")
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def scaled(q, k, v, vs):
+        return ops.plan_run(p, q, k, v, v_scale=vs)[0]
+
+    for vs in (1.0, 2.0, 0.5):
+        out = scaled(kw["q"], kw["k_cache"], kw["v_cache"], vs)
+        ref = p.run(kw["q"], kw["k_cache"], kw["v_cache"], v_scale=vs)[0]
+        torch.testing.assert_close(out, ref, atol=0, rtol=0)
+        assert out.abs().max() > 0
+    with pytest.raises(Exception, match="v_scale"):
+        scaled(kw["q"], kw["k_cache"], kw["v_cache"], float("nan"))
+
+
 def test_ops_take_the_eager_functions_arguments():
     """Float scales (as the eager one-shot call and plan.run take them), and the eager checks of
     causal / window_left ahead of the op's schema (which would turn causal=1 into True)."""

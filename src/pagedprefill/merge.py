@@ -2,11 +2,12 @@
 sets (split-KV, shared-prefix cascades, context parallelism). FlashInfer's names and shapes.
 
 Each input is an attention output ``v`` (tokens, H, D) with its log-sum-exp ``s`` (tokens, H) over
-its keys. The merge is exact: the result is what attention over the union of the key sets gives.
-A state whose ``s`` is -inf (no key) contributes nothing; if every state of a row has none, the row
-is 0 with s = -inf. This library's LSEs are natural-log (``lse_base="e"``, the default); FlashInfer's
-wrappers (and :class:`pagedprefill.BatchPrefillWithPagedKVCacheWrapper`) return base-2 LSEs: pass
-``lse_base=2`` for those (``pagedprefill.flashinfer.merge_state`` does by default).
+its keys. The merge is exact: the result is what attention over the union of the key sets gives. A
+state whose ``s`` is -inf (no key) contributes nothing (its ``v`` is not read: NaN there is
+harmless); if every state of a row has none, the row is 0 with s = -inf. This library's LSEs are
+natural-log (``lse_base="e"``, the default); FlashInfer's wrappers (and
+:class:`pagedprefill.BatchPrefillWithPagedKVCacheWrapper`) return base-2 LSEs: pass ``lse_base=2``
+for those (``pagedprefill.flashinfer.merge_state`` does by default).
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ def _merge(states: list[tuple[Tensor, Tensor]], stacked: bool, base2: bool) -> t
     else:
         v = torch.stack([x.float() for x, _ in states], dim=1)
         s = torch.stack([y for _, y in states], dim=1)
+    v = torch.where(torch.isneginf(s)[..., None], 0.0, v)  # (a state with no key adds nothing, NaN O included)
     s = s * (math.log(2.0) if base2 else 1.0)
     m = s.amax(dim=1, keepdim=True)
     m_use = torch.where(torch.isfinite(m), m, 0.0)

@@ -112,11 +112,17 @@ def vector(name: str, t: object, length: int | None, device: torch.device, graph
     return t.reshape(-1)
 
 
+def finite(x: float) -> bool:
+    """``math.isfinite`` by comparisons (NaN compares false), which torch.compile traces when it leaves
+    a float argument unspecialised (``math.isfinite`` of it breaks a full graph)."""
+    return -math.inf < x < math.inf
+
+
 def number_scale(name: str, s: object) -> bool:
     """Whether a scale is a plain number (int or float); a non-finite one is refused by name."""
     if isinstance(s, bool) or not isinstance(s, (int, float)):
         return False
-    if not math.isfinite(s):
+    if not finite(s):
         raise fail(name, "a finite scale", s)
     return True
 
@@ -173,7 +179,7 @@ def variant_args(window_left: object, logits_soft_cap: object) -> tuple[int, flo
     if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
         raise fail("window_left", "an int >= -1 (-1: no sliding window)", repr(window_left))
     cap = 0.0 if logits_soft_cap is None else logits_soft_cap
-    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap < 0:
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not finite(cap) or cap < 0:
         raise fail("logits_soft_cap", "a finite float >= 0 (0: no soft-capping)", repr(logits_soft_cap))
     return window_left, float(cap)
 

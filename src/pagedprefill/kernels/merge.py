@@ -21,7 +21,10 @@ if triton is not None:
         s = tl.load(S + t * ss_t + h * ss_h, mask=ok, other=float("-inf")).to(tl.float32)
         if not BASE2:
             s = s * 1.4426950408889634
-        v = tl.load(V + t[:, None] * sv_t + h[:, None] * sv_h + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+        # (a state with no key is never read: its O may be anything, NaN included, and adds nothing)
+        has = ok & (s != float("-inf"))
+        rows = V + t[:, None] * sv_t + h[:, None] * sv_h
+        v = tl.load(rows + d[None, :], mask=has[:, None] & d_ok[None, :], other=0.0)
         return s, v.to(tl.float32)
 
     @triton.jit
