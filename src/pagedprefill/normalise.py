@@ -169,7 +169,7 @@ def scale_arg(scale: object) -> float:
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):  # (numpy's floats too)
         raise fail("scale", "a Python float (the softmax scale, e.g. 1/sqrt(head_dim))", type(scale).__name__)
     scale = float(scale)
-    if not math.isfinite(scale) or abs(scale) > MAX_SCALE or 0 < abs(scale) < MIN_SCALE:
+    if not finite(scale) or abs(scale) > MAX_SCALE or 0 < abs(scale) < MIN_SCALE:
         raise fail("scale", "a finite float, 0 or with 2^-126 <= |scale| <= 2^32 (typical: 1/sqrt(head_dim))", scale)
     return float(scale)
 
