@@ -29,6 +29,8 @@ from pagedprefill.backends.triton import hopper as hp
 from pagedprefill.kernels import launch
 
 ROOT = Path(__file__).resolve().parents[1]
+# 128 x 128 tiles on two consumers (FA3's causal D 128 tile): knob-only, kept correct on every path
+TILES_128 = dict(consumers=2, BLOCK_N=128, consumer_regs=224)
 BF16, F16 = torch.bfloat16, torch.float16
 E4M3 = torch.float8_e4m3fn
 
@@ -75,7 +77,7 @@ def test_one_warp_issues_the_copies_only_where_they_are_tma_copies_of_16_bit_til
     assert tma["ISSUER"] and tma["LOAD_WARPS"] == hp.ISSUER_GATHER_WARPS
     gather = plan._kernel_constexprs(plan.cfg, False, False, False, False)
     assert not gather["ISSUER"] and gather["LOAD_WARPS"] == plan.cfg.load_warps
-    with tuning.override("hopper", wide=1):  # (128-key tiles: the load warps in step)
+    with tuning.override("hopper", **TILES_128):  # (128-key tiles: the load warps in step)
         wide = hp.HopperPlan(batch_of(_case(dtype=BF16)))
         assert wide.cfg.BLOCK_N == 128 and not wide._kernel_constexprs(wide.cfg, False, False, True, True)["ISSUER"]
     for kv, q, dqk, dvo in ((E4M3, BF16, 128, 128), (E4M3, BF16, 192, 128), (E4M3, BF16, 256, 256)):
@@ -165,12 +167,11 @@ def test_plan_caps_the_chunk_at_every_pair(chunk, want):
         assert hp.HopperPlan(batch_of(case)).chunk == want  # (3 sequences x 2 KV heads)
 
 
-def test_config_picks_wide_tiles_by_shape():
-    """128 x 128 tiles on two consumers (``WIDE``) exactly where they measured faster: D = 128 with
-    16-bit K/V in pages of >= 64 tokens; static rounds for prompts of <= 1024 tokens and chunked
-    prefill (max_kv >= 4 * max_q); a knob replaces the choice."""
+def test_config_picks_the_schedule_by_shape():
+    """64-key tiles on three consumers at every page size (128 x 128 tiles on two consumers measured
+    slower, or level, on pages of 64 and 128 too); static rounds for prompts of <= 1024 tokens and
+    chunked prefill (max_kv >= 4 * max_q), the work counter elsewhere; a knob replaces the choice."""
     static = dataclasses.replace(hp.DEFAULT, dynamic=0)
-    wide = dataclasses.replace(static, **hp.WIDE)
     counter = dataclasses.replace(hp.DEFAULT, chunk=hp.DYNAMIC_CHUNK)  # (off the work counter)
 
     def cfg(**kw):
@@ -179,9 +180,8 @@ def test_config_picks_wide_tiles_by_shape():
 
     assert cfg() == static  # causal, pages of 16, max_kv = 60 < 4 * 48, max_q <= 1024, 192 rows
     assert cfg(causal=False) == static
-    assert cfg(page_size=64) == wide and cfg(page_size=64, causal=False) == wide
-    assert cfg(page_size=128, lens_q=[2048], lens_kv=[2048]) == dataclasses.replace(counter, **hp.WIDE)
-    # (a long prefix no longer takes WIDE: 64-token queries over 512 keys measured 9% faster without)
+    assert cfg(page_size=64) == static and cfg(page_size=64, causal=False) == static
+    assert cfg(page_size=128, lens_q=[2048], lens_kv=[2048]) == counter
     assert cfg(page_size=0, causal=False) == static and cfg(page_size=0, lens_kv=[9, 200]) == static
     assert cfg(lens_q=[48], lens_kv=[192]) == static and cfg(lens_q=[48], lens_kv=[191]) == static
     assert cfg(lens_q=[2048], lens_kv=[8191]) == counter and cfg(lens_q=[2048], lens_kv=[8192]) == static
@@ -193,23 +193,24 @@ def test_config_picks_wide_tiles_by_shape():
         assert cfg(lens_q=[1025], lens_kv=[2048]) == dataclasses.replace(hp.DEFAULT, dynamic=0)
     with tuning.override("hopper", dynamic=1):
         assert cfg().chunk == hp.DYNAMIC_CHUNK and cfg().dynamic == 1
-    # (the guards: shapes that would take WIDE by their pages but for head dim or fp8)
-    assert cfg(page_size=64, dqk=64) == static and cfg(page_size=64, dqk=192, dvo=128) == static
     fp8 = cfg(page_size=64, kv_dtype=torch.float8_e4m3fn)
     assert fp8.BLOCK_N == static.BLOCK_N and fp8.consumers == static.consumers
     d256 = dataclasses.replace(static, **{**hp.D256, **hp.D256_SPLIT})  # (TMA-boxed pages: K released apart)
     assert cfg(dqk=256) == d256 and cfg(causal=False, dqk=256) == d256 and cfg(page_size=64, dqk=256) == d256
     assert cfg(page_size=8, dqk=256) == dataclasses.replace(static, **hp.D256)
-    with tuning.override("hopper", wide=0, chunk=2):
+    with tuning.override("hopper", chunk=2):
         assert cfg(page_size=64) == dataclasses.replace(static, chunk=2)
-    with tuning.override("hopper", wide=1):
-        assert cfg(causal=False) == wide
+    with tuning.override("hopper", **TILES_128):
+        assert cfg(causal=False) == dataclasses.replace(static, **TILES_128)
+    with tuning.override("hopper", wide=1), pytest.raises(ValueError, match="unknown Hopper knob 'wide'"):
+        cfg()
 
 
 def test_config_takes_two_consumers_where_192_row_blocks_would_be_padding():
     """``NARROW`` (two consumers, 128-row blocks) for D = 128 with 16-bit K/V when a sequence's
     max_q * group rows padded to 192-row blocks are >= 1.2x those padded to 128 (64-token queries
-    at GQA 4: 384 vs 256); never for other head dims, fp8 K/V, or with a wide knob."""
+    at GQA 4: 384 vs 256), pages of 64 included; never for other head dims, fp8 K/V, or under a
+    ``consumers`` knob."""
     static = dataclasses.replace(hp.DEFAULT, dynamic=0)
     narrow = dataclasses.replace(static, **hp.NARROW)
 
@@ -223,16 +224,14 @@ def test_config_takes_two_consumers_where_192_row_blocks_would_be_padding():
     assert cfg(64, dqk=64) == static and cfg(64, dqk=96).consumers == 3
     assert cfg(64, kv_dtype=torch.float8_e4m3fn).consumers == 3
     assert cfg(64, page_size=8) == static  # (pages under 16 tokens: the cp.async gather, not measured)
-    assert cfg(64, page_size=64) == dataclasses.replace(static, **hp.WIDE)
-    with tuning.override("hopper", wide=0):
-        assert cfg(64) == static
+    assert cfg(64, page_size=64) == narrow and cfg(64, page_size=128) == narrow
     with tuning.override("hopper", consumers=3):
         assert cfg(64) == static
 
 
 def test_sibling_is_the_other_consumer_count_where_lengths_may_pick_it():
     """Where `config` may pick either ``DEFAULT`` or ``NARROW`` as only lengths and batch size change
-    (D 128, 16-bit K/V, ragged or pages of 16-63 tokens, no knobs), `sibling` is the other one (the
+    (D 128, 16-bit K/V, ragged or pages of >= 16 tokens, no knobs), `sibling` is the other one (the
     plan compiles it at its first launch); elsewhere there is none."""
 
     def batch(**kw):
@@ -246,8 +245,9 @@ def test_sibling_is_the_other_consumer_count_where_lengths_may_pick_it():
     assert dataclasses.replace(sib, consumers=3, consumer_regs=cfg.consumer_regs) == cfg  # (nothing else)
     back = hp.sibling(b, sib)
     assert back == cfg
-    assert hp.sibling(batch(page_size=0), cfg) is not None and hp.sibling(batch(page_size=32), cfg) is not None
-    for other in (dict(page_size=64), dict(page_size=8), dict(dqk=64), dict(kv_dtype=torch.float8_e4m3fn)):
+    for page in (0, 32, 64, 128):
+        assert hp.sibling(batch(page_size=page), cfg) is not None, page
+    for other in (dict(page_size=8), dict(dqk=64), dict(kv_dtype=torch.float8_e4m3fn)):
         ob = batch(**other)
         assert hp.sibling(ob, hp.config(ob)) is None, other
     with tuning.override("hopper", stages=4):
@@ -293,7 +293,7 @@ def test_fp8_staging_fits_beside_the_ring():
     for dqk, dvo in hp.HEAD_DIMS:
         for wide in (0, 1):
             batch = batch_of(_case(dqk=dqk, dvo=dvo, dtype=BF16, kv_dtype=torch.float8_e4m3fn))
-            with tuning.override("hopper", wide=wide):
+            with tuning.override("hopper", **(TILES_128 if wide and dvo <= 128 else {})):
                 if wide and dqk == 192:  # (Q, two 128-key stages and two staging slots: 288 KB)
                     with pytest.raises(ValueError, match="exceed shared memory"):
                         hp.config(batch)
@@ -305,7 +305,7 @@ def test_fp8_staging_fits_beside_the_ring():
             assert n8 == (3 if (room - 3 * tile) // (2 * tile) >= 3 else 2) and n >= 2, (dqk, wide, n, n8)
             assert 2 * cfg.BLOCK_M * dqk + 2 * n * tile + n8 * tile <= hp.SMEM_BYTES, (dqk, wide)
     fp8 = batch_of(_case(causal=False, dtype=BF16, kv_dtype=torch.float8_e4m3fn))
-    assert hp.config(fp8).BLOCK_N == hp.DEFAULT.BLOCK_N  # (WIDE would leave the ring two stages)
+    assert hp.config(fp8).BLOCK_N == hp.DEFAULT.BLOCK_N  # (128-key tiles would leave the ring two stages)
 
 
 def test_fp8_qkv_staging_holds_v_only():
@@ -759,7 +759,7 @@ SPECS = [  # (the cases' 7-token queries at GQA 4 take NARROW at D 128 unless th
     (128, 16, True, "bfloat16", 128, dict(consumers=3, consumer_regs=152)),  # (DEFAULT)
     (128, 16, True, "bfloat16", 128, dict(window_left=100, logits_soft_cap=30.0, sinks=True)),  # (NARROW)
     (64, 0, False, "float16", 64, dict(window_left=40)),
-    (128, 0, False, "float16", 128, dict(wide=1)),  # (WIDE tiles)
+    (128, 0, False, "float16", 128, dict(TILES_128)),  # (128-key tiles)
     (128, 0, True, "float16", 128, {}),  # (NARROW on ragged K/V)
     (64, 1, True, "bfloat16", 64, {}),  # (cp.async K/V)
     (64, 16, True, "bfloat16", 64, dict(rowsum=1)),  # (row sums by a wgmma, forced beside an LSE)
@@ -869,12 +869,12 @@ def test_gpu_d64_without_lse_sums_rows_by_wgmma(seed, monkeypatch):
 def test_gpu_random_grid_forced(seed, monkeypatch):
     """Odd seeds shrink the persistent grid to 1-3 programs so that every program walks many work items
     (the ring's phases carried across items); items dealt in chunks of 0 (all), 1, 2, 3 or 4 pairs, in
-    static rounds or off the work counter, 64-key or WIDE tiles, scales up to 2 (running maxima move)."""
+    static rounds or off the work counter, 64-key or 128-key tiles, scales up to 2 (running maxima move)."""
     if seed % 2:
         monkeypatch.setattr(hp, "_num_sms", lambda device, n=1 + seed % 3: n)
     params = hopper_params(seed)
     params["scale"] = (None, 0.3, 1.0, 2.0)[seed % 4]
-    knobs = dict(chunk=seed % 5, dynamic=seed // 2 % 2, wide=int(seed % 3 == 0 and params["dqk"] == 128))
+    knobs = dict(chunk=seed % 5, dynamic=seed // 2 % 2, **(TILES_128 if seed % 3 == 0 and params["dqk"] == 128 else {}))
     check_forced(make_case(seed, **params), **knobs)
 
 
@@ -1222,7 +1222,7 @@ def test_gpu_random_grid_variants(seed, monkeypatch):
         params["logits_soft_cap"] = r.choice([2.0, 30.0, 50.0])
     params["sinks"] = seed % 4 < 2
     params["scale"] = (None, 0.5, 1.0)[seed % 3]
-    knobs = dict(dynamic=seed // 2 % 2, wide=int(seed % 5 == 0 and params["dqk"] == 128))
+    knobs = dict(dynamic=seed // 2 % 2, **(TILES_128 if seed % 5 == 0 and params["dqk"] == 128 else {}))
     check_forced(make_case(seed, **params), **knobs)
 
 

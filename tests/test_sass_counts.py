@@ -73,10 +73,10 @@ def test_one_issuing_warp_copies_without_partition_barriers(tmp_path):
     """D 64, 16-bit K/V by TMA: the loop that issues the tiles' TMA copies runs on one warp, with no
     partition-wide barrier (Triton puts one before every copy where several warps issue in step) and
     no cp.async gather (the gather warps'), in under half the instructions of four load warps issuing
-    in step (~400, 17 barriers). On 128-key tiles (WIDE) the load warps stay in step and gather the
+    in step (~400, 17 barriers). On 128-key tiles (a knob) the load warps stay in step and gather the
     tile across kv_len themselves: a loop with no gather there would leave that tile's stage unfilled
     and the consumers waiting for good."""
-    res = _compile_specs(tmp_path, "d64", "d128:wide=1")
+    res = _compile_specs(tmp_path, "d64", "d128:consumers=2,BLOCK_N=128,consumer_regs=224")
     alone, step = (line.split("TMA loop")[1].split(":", 1) for line in res.stdout.splitlines())
     assert count(alone[1], "BAR") == 0 and count(alone[1], "LDGSTS") == 0, res.stdout
     assert count(alone[1], "UTMALDG") >= 2, res.stdout

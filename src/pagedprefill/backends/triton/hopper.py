@@ -73,9 +73,6 @@ ISSUER_GATHER_WARPS = 2
 # off the work counter, chunks of 8 pairs: +6% on fp8 K/V (b8 q2k), +4% on its bf16 data and +3% on
 # 4k prompts, level elsewhere (heaviest first over more pairs: fewer light items left at the end)
 DYNAMIC_CHUNK = 8
-# 128 x 128 tiles on two consumers: 128 query rows per K/V tile instead of 192 (more L2 traffic per
-# FLOP), half as many tile steps per key; faster where `prefers_wide` says
-WIDE = {"consumers": 2, "BLOCK_N": 128, "consumer_regs": 224, "load_regs": 56}
 # Dvo 256: O's accumulator alone is 128 registers per thread: two consumers of 224 (ptxas: no spill in
 # the key loop; at 240 with two load warps the first consumer gets 200 and spills, load warps are
 # padded to a warpgroup); beside Q (64 KiB), five 32-key stages (1.8x two 64-key ones released whole)
@@ -95,7 +92,7 @@ F8_STAGES = 8
 D96_STAGES = 6
 # a `consumers` knob without `consumer_regs` takes the register split of the config with that many
 CONSUMER_REGS = {DEFAULT.consumers: DEFAULT.consumer_regs, NARROW["consumers"]: NARROW["consumer_regs"]}
-KNOBS = tuple(f.name for f in fields(Config)) + ("wide",)
+KNOBS = tuple(f.name for f in fields(Config))
 HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))  # (Dqk, Dvo) the kernel is built for
 F8_HEAD_DIMS = ((64, 64), (128, 128))  # ... with 8-bit q, K and V on 8-bit wgmmas
 
@@ -138,22 +135,12 @@ def unavailable_reason(batch: PrefillBatch) -> str | None:
     return None
 
 
-def prefers_wide(batch: PrefillBatch) -> bool:
-    """Whether ``WIDE`` beat ``DEFAULT`` on the H200 for calls like this one: D = 128, 16-bit K/V in
-    pages of >= 64 tokens. Everywhere else 64-key tiles won once O's rescale became lazy: causal
-    calls with ``max_q`` near ``max_kv`` by 7-12%, non-causal ones by 8%, 64-token queries over a
-    512-token prefix by 9%, chunked prefill level to +2%."""
-    if (batch.head_dim_qk, batch.head_dim_vo) != (128, 128) or batch.fp8_kv:
-        return False  # (8-bit K/V: its staging ring would leave 128-key tiles two stages)
-    return batch.paged and batch.page_size >= 64
-
-
 def issues_alone(batch: PrefillBatch, cfg: Config, use_tma: bool) -> bool:
     """Whether one warp of its own issues the K/V tiles' TMA copies while ``ISSUER_GATHER_WARPS`` warps
     gather each item's tile across kv_len, in place of ``load_warps`` warps doing both in step: 16-bit
     K/V by TMA on tiles of <= 64 keys. Against the warps in step on the H200: +2-8% (chunked prefill
     +8%, D 256 +6%, D 96 +5%, D 64 +3%, 16k +2%), 128 sequences of <= 256 queries -1.5%; on
-    WIDE's 128-key tiles (pages of 64) -2.5%, where its two gather warps also spill.
+    128-key tiles (a knob) -2.5%, where its two gather warps also spill.
 
     8-bit K/V widened for 16-bit q, by TMA, at D 64 and 96: the two warps widen every tile (and gather
     the one across kv_len) while the issuing warp fills the staging slots: +8% on d64_b16_q2k and +12%
@@ -252,7 +239,7 @@ def few_tiles(batch: PrefillBatch) -> bool:
     """Whether this D 128 call with 16-bit K/V and host lengths leaves each program under
     :data:`FEW_TILES` key tiles (a handful of short prompts: too few items to keep the persistent
     grid's programs busy). False off a GPU and where it was not measured: device lengths, a window,
-    sinks or soft-capping, pages of >= 64 tokens (128 x 128 tiles there) or under 16."""
+    sinks or soft-capping, pages of >= 64 tokens or under 16."""
     if batch.host is None or (batch.head_dim_qk, batch.head_dim_vo) != (128, 128) or batch.fp8_kv or batch.fp8_q:
         return False
     if batch.variants or (batch.paged and not 16 <= batch.page_size < 64) or batch.device.type != "cuda":
@@ -296,27 +283,23 @@ def share_bytes(batch: PrefillBatch, cfg: Config, tail: int, shares: int) -> int
 
 
 def config(batch: PrefillBatch) -> Config:
-    """``DEFAULT``, with ``WIDE`` where :func:`prefers_wide` says so (``NARROW`` where
-    :func:`prefers_narrow` or :func:`few_tiles` does, unless a ``wide`` knob is set), ``F8_STAGES``
+    """``DEFAULT`` (``NARROW`` where :func:`prefers_narrow` or :func:`few_tiles` says so), ``F8_STAGES``
     ring stages with 8-bit q (``D96_STAGES`` at D 96), and static rounds (``dynamic=0``) for short
     prompts (``max_q <= 1024``) of even lengths and chunked prefill (``max_kv >= 4 max_q``;
-    :func:`static_rounds`); then any tuning override (``tuning.override("hopper", stages=4, wide=1,
-    ...)``; a ``consumers`` knob alone takes ``CONSUMER_REGS`` registers); last, chunks of
-    ``DYNAMIC_CHUNK`` pairs off the work counter unless a ``chunk`` knob is set."""
+    :func:`static_rounds`); then any tuning override (``tuning.override("hopper", stages=4, ...)``; a
+    ``consumers`` knob alone takes ``CONSUMER_REGS`` registers); last, chunks of ``DYNAMIC_CHUNK``
+    pairs off the work counter unless a ``chunk`` knob is set."""
     over = dict(tuning.knobs("hopper"))
     bad = [k for k in over if k not in KNOBS]
     if bad:
         raise ValueError(f"unknown Hopper knob {bad[0]!r}; expected one of {KNOBS}")
-    wide = over.pop("wide", None)
     if batch.head_dim_vo > 128:
         base = replace(DEFAULT, **D256)
         by_hand = {"split", "BLOCK_N", "stages"} & over.keys()  # (then D256 and the knobs, as set)
         if not by_hand and not batch.fp8_kv and _page_box(batch, replace(base, **D256_SPLIT)):
             base = replace(base, **D256_SPLIT)
     else:
-        base = replace(DEFAULT, **WIDE) if (prefers_wide(batch) if wide is None else wide) else DEFAULT
-        if base == DEFAULT and wide is None and (prefers_narrow(batch) or few_tiles(batch)):
-            base = replace(DEFAULT, **NARROW)
+        base = replace(DEFAULT, **NARROW) if prefers_narrow(batch) or few_tiles(batch) else DEFAULT
     if batch.fp8_q:
         base = replace(base, stages=F8_STAGES)
     elif (batch.head_dim_qk, batch.head_dim_vo) == (96, 96) and not batch.fp8_kv:
@@ -369,9 +352,9 @@ def config(batch: PrefillBatch) -> Config:
 def sibling(batch: PrefillBatch, cfg: Config) -> Config | None:
     """The other of ``DEFAULT`` and ``NARROW`` (the consumer count is a compile-time constant) where
     :func:`config` may pick either for this layout as only lengths and batch size change: D 128 with
-    16-bit K/V, ragged or in pages of 16-63 tokens, no tuning knobs. :class:`HopperPlan` compiles it
+    16-bit K/V, ragged or in pages of >= 16 tokens, no tuning knobs. :class:`HopperPlan` compiles it
     beside its own at the first launch, so that a later call of the other kind compiles nothing."""
-    if tuning.knobs("hopper") or not _narrow_layout(batch) or prefers_wide(batch):
+    if tuning.knobs("hopper") or not _narrow_layout(batch):
         return None
     if cfg.consumers == DEFAULT.consumers:
         return replace(cfg, **NARROW)
