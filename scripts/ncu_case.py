@@ -1,7 +1,7 @@
 """One call per named case, warmed up, between cudaProfilerStart/Stop, for Nsight Compute.
 
     ncu --profile-from-start off ... python scripts/ncu_case.py fp8kv_b8_q2k:fp8kv fp8kv_b8_q2k:bf16
-    ncu --profile-from-start off ... python scripts/ncu_case.py llama8b_b4_q4k@consumers=2,BLOCK_N=128 fa3/d64_b16_q2k
+    ncu --profile-from-start off ... python scripts/ncu_case.py d64_b16_q2k d64_b16_q2k@rowsum=0 fa3/d64_b16_q2k
     ncu --profile-from-start off ... python scripts/ncu_case.py --extra=scripts/varlen_shapes.json x_ragged_b32_q512
 
 Each name (suffixes as in ``tune_hopper.py``: ``:fp8kv`` K/V quantized to e4m3, ``:fp8`` q, K and V, ``:bf16`` the
