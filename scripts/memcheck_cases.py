@@ -45,6 +45,13 @@ def main() -> int:
     base = dict(lens_q=[70, 0, 33, 5], lens_kv=[300, 4, 33, 0], hq=8, hkv=2, device="cuda")
     for name, extra, backend, knobs in [
         ("hopper paged16 tma", dict(dqk=128, page_size=16, dtype=BF16), "triton", None),
+        ("hopper paged64 tma (a page a tile)", dict(dqk=128, page_size=64, dtype=BF16), "triton", None),
+        (
+            "hopper paged128 tma two consumers",
+            dict(dqk=128, page_size=128, dtype=F16, lens_q=[60, 0, 33, 5]),
+            "triton",
+            None,
+        ),
         ("hopper ragged dqk192", dict(dqk=192, dvo=128, page_size=0, dtype=BF16), "triton", None),
         ("hopper page1 cp.async gqa3", dict(dqk=64, page_size=1, dtype=F16, hq=6, hkv=2), "triton", None),
         (
