@@ -115,7 +115,7 @@ def test_row_sums_on_the_tensor_cores_where_measured_faster():
     plan = hp.HopperPlan(d64)
     assert plan._constexprs(None, False)["ROWSUM"] and not hp.HopperPlan(d128)._constexprs(None, False)["ROWSUM"]
     stage = 2 * hp.DEFAULT.BLOCK_N * 128
-    x = (hp.SMEM_BYTES - 2 * hp.DEFAULT.BLOCK_M * 64) % stage - 512  # (room for the stages but for 512 bytes)
+    x = (hp.SMEM_BYTES - 2 * plan.cfg.BLOCK_M * 64) % stage - 512  # (room for the stages but for 512 bytes)
     with tuning.override("hopper", rowsum=0):
         without = hp._ring_stages(d64, hp.config(d64), x)
     assert hp._ring_stages(d64, plan.cfg, x) == without - 1  # (the ones' 1 KiB costs a stage here)
@@ -207,10 +207,11 @@ def test_config_picks_the_schedule_by_shape():
 
 
 def test_config_takes_two_consumers_where_192_row_blocks_would_be_padding():
-    """``NARROW`` (two consumers, 128-row blocks) for D = 128 with 16-bit K/V when a sequence's
-    max_q * group rows padded to 192-row blocks are >= 1.2x those padded to 128 (64-token queries
-    at GQA 4: 384 vs 256), pages of 64 included; never for other head dims, fp8 K/V, or under a
-    ``consumers`` knob."""
+    """``NARROW`` (two consumers, 128-row blocks) when a sequence's max_q * group rows padded to
+    192-row blocks are >= 1.2x those padded to 128 (64-token queries at GQA 4: 384 vs 256): 16-bit
+    K/V at D 64, 96, 128 and Dqk 192, 8-bit K/V at D 128, ragged or in pages of >= 16 tokens (64 and
+    128 included); never for D 256 (two consumers anyway), 8-bit K/V at other head dims, fp8 q, pages
+    under 16 tokens, or under a ``consumers`` knob."""
     static = dataclasses.replace(hp.DEFAULT, dynamic=0)
     narrow = dataclasses.replace(static, **hp.NARROW)
 
@@ -221,8 +222,15 @@ def test_config_takes_two_consumers_where_192_row_blocks_would_be_padding():
     # rows = 4 * max_q: 256 -> 384 vs 256; 128 -> 192 vs 128; 448 -> 576 vs 512 (1.125); 480 -> 576 vs 512
     assert cfg(64) == narrow and cfg(32) == narrow and cfg(16) == narrow and cfg(64, page_size=0) == narrow
     assert cfg(112) == static and cfg(120) == static and cfg(48) == static and cfg(96) == static
-    assert cfg(64, dqk=64) == static and cfg(64, dqk=96).consumers == 3
-    assert cfg(64, kv_dtype=torch.float8_e4m3fn).consumers == 3
+    assert cfg(64, dqk=64) == narrow and cfg(96, dqk=64) == static
+    d96 = cfg(64, dqk=96)
+    assert (d96.consumers, d96.consumer_regs, d96.stages) == (2, hp.NARROW["consumer_regs"], hp.D96_STAGES)
+    assert cfg(64, dqk=192, dvo=128) == narrow and cfg(96, dqk=192, dvo=128) == static
+    assert cfg(64, kv_dtype=torch.float8_e4m3fn) == narrow and cfg(96, kv_dtype=torch.float8_e4m3fn) == static
+    assert cfg(64, kv_dtype=torch.float8_e4m3fn, dqk=64).consumers == 3  # (8-bit K/V off D 128: not measured)
+    assert cfg(64, dqk=256).consumers == 2 and cfg(64, dqk=256).BLOCK_N == hp.D256_SPLIT["BLOCK_N"]
+    e4m3 = torch.float8_e4m3fn
+    assert cfg(64, dtype=e4m3, kv_dtype=e4m3).consumers == 3  # (fp8 q/k/v: not measured)
     assert cfg(64, page_size=8) == static  # (pages under 16 tokens: the cp.async gather, not measured)
     assert cfg(64, page_size=64) == narrow and cfg(64, page_size=128) == narrow
     with tuning.override("hopper", consumers=3):
@@ -231,8 +239,8 @@ def test_config_takes_two_consumers_where_192_row_blocks_would_be_padding():
 
 def test_sibling_is_the_other_consumer_count_where_lengths_may_pick_it():
     """Where `config` may pick either ``DEFAULT`` or ``NARROW`` as only lengths and batch size change
-    (D 128, 16-bit K/V, ragged or pages of >= 16 tokens, no knobs), `sibling` is the other one (the
-    plan compiles it at its first launch); elsewhere there is none."""
+    (16-bit K/V at D <= 128 and Dqk 192, 8-bit K/V at D 128, ragged or pages of >= 16 tokens, no knobs),
+    `sibling` is the other one (the plan compiles it at its first launch); elsewhere there is none."""
 
     def batch(**kw):
         base = dict(lens_q=[3, 700], lens_kv=[9, 900], hq=8, hkv=2, dqk=128, page_size=16, dtype=F16)
@@ -245,9 +253,14 @@ def test_sibling_is_the_other_consumer_count_where_lengths_may_pick_it():
     assert dataclasses.replace(sib, consumers=3, consumer_regs=cfg.consumer_regs) == cfg  # (nothing else)
     back = hp.sibling(b, sib)
     assert back == cfg
-    for page in (0, 32, 64, 128):
-        assert hp.sibling(batch(page_size=page), cfg) is not None, page
-    for other in (dict(page_size=8), dict(dqk=64), dict(kv_dtype=torch.float8_e4m3fn)):
+    for other in (dict(page_size=0), dict(page_size=32), dict(page_size=64), dict(page_size=128), dict(dqk=64)):
+        ob = batch(**other)
+        assert hp.sibling(ob, hp.config(ob)).consumers == 2, other
+    for other in (dict(dqk=96), dict(dqk=192, dvo=128), dict(kv_dtype=torch.float8_e4m3fn)):
+        ob = batch(**other)
+        assert hp.sibling(ob, hp.config(ob)).consumers == 2, other
+    e4m3 = torch.float8_e4m3fn
+    for other in (dict(page_size=8), dict(dqk=256), dict(dqk=64, kv_dtype=e4m3), dict(dtype=e4m3, kv_dtype=e4m3)):
         ob = batch(**other)
         assert hp.sibling(ob, hp.config(ob)) is None, other
     with tuning.override("hopper", stages=4):
@@ -255,18 +268,21 @@ def test_sibling_is_the_other_consumer_count_where_lengths_may_pick_it():
 
 
 def test_stages_fit_shared_memory():
-    """Q and the K/V ring fit sm_90's 227 KB: 5 stages at D 128, 6 at D 96, 3 at Dqk 192 / Dvo 128; at
-    D 256 2 of 64 keys with K released apart from V where tiles come by TMA (pages of >= 16 tokens,
-    ragged), else 5 of 32 keys (pages under 16 tokens, 8-bit K/V)."""
+    """Q and the K/V ring fit sm_90's 227 KB: 5 stages at D 128, 6 at D 96, 3 at Dqk 192 / Dvo 128 (4 on
+    two consumers, whose Q is smaller); at D 256 2 of 64 keys with K released apart from V where tiles
+    come by TMA (pages of >= 16 tokens, ragged), else 5 of 32 keys (pages under 16 tokens, 8-bit K/V)."""
     cases = [((128, 128), 16, 5, 0), ((96, 96), 16, 6, 0), ((64, 64), 16, 5, 0), ((192, 128), 16, 3, 0)]
     cases += [((256, 256), 16, 2, 1), ((256, 256), 0, 2, 1), ((256, 256), 8, 5, 0)]
     for (dqk, dvo), page, want, split in cases:
-        batch = batch_of(_case(dqk=dqk, dvo=dvo, page_size=page, dtype=BF16))
+        # (48-token queries at GQA 4: 192 rows, three consumers)
+        batch = batch_of(_case(dqk=dqk, dvo=dvo, page_size=page, dtype=BF16, lens_q=[5, 48], lens_kv=[9, 60]))
         cfg = hp.config(batch)
         n = hp.stages(batch, cfg)
         assert (n, cfg.split) == (want, split), (dqk, page)
         assert 2 * (cfg.BLOCK_M * dqk + n * cfg.BLOCK_N * (dqk + dvo)) <= hp.SMEM_BYTES
         assert hp.staging_slots(batch, cfg) == 0
+    mla = batch_of(_case(dqk=192, dvo=128, dtype=BF16))  # (7-token queries: two consumers)
+    assert hp.config(mla).consumers == 2 and hp.stages(mla, hp.config(mla)) == 4
     fp8 = batch_of(_case(dqk=256, dvo=256, dtype=BF16, kv_dtype=torch.float8_e4m3fn))
     assert (hp.config(fp8).BLOCK_N, hp.config(fp8).split) == (32, 0)
 
@@ -755,7 +771,7 @@ _AOT = textwrap.dedent(
     """
 )
 
-SPECS = [  # (the cases' 7-token queries at GQA 4 take NARROW at D 128 unless the knobs say otherwise)
+SPECS = [  # (the cases' 7-token queries at GQA 4 take NARROW where `_narrow_layout` allows, unless knobs say otherwise)
     (128, 16, True, "bfloat16", 128, dict(consumers=3, consumer_regs=152)),  # (DEFAULT)
     (128, 16, True, "bfloat16", 128, dict(window_left=100, logits_soft_cap=30.0, sinks=True)),  # (NARROW)
     (64, 0, False, "float16", 64, dict(window_left=40)),
@@ -766,6 +782,8 @@ SPECS = [  # (the cases' 7-token queries at GQA 4 take NARROW at D 128 unless th
     (64, 16, True, "bfloat16", 64, dict(return_lse=False)),  # (... and by the rule)
     (64, 0, True, "float16", 64, dict(kv_dtype="float8_e4m3fn", rowsum=1)),  # (... over widened 8-bit K/V)
     (192, 0, True, "bfloat16", 128, {}),  # Dqk 192 / Dvo 128: K in 128 + 64 columns
+    (192, 16, True, "bfloat16", 128, dict(consumers=3)),  # (... on three consumers, as long prompts run)
+    (64, 16, True, "bfloat16", 64, dict(consumers=3, return_lse=False)),
     (256, 16, True, "bfloat16", 256, {}),  # D 256: K in 128 + 128 columns, V's boxes side by side
     (256, 0, False, "float16", 256, {}),
     (96, 16, True, "bfloat16", 96, {}),  # D 96: 64 + 32 columns, two PV GEMMs
@@ -773,6 +791,7 @@ SPECS = [  # (the cases' 7-token queries at GQA 4 take NARROW at D 128 unless th
     (128, 64, True, "bfloat16", 128, dict(dynamic=1)),
     # 8-bit K/V: TMA (or cp.async) into staging slots, widened by the load warps
     (128, 16, True, "bfloat16", 128, dict(kv_dtype="float8_e4m3fn")),
+    (128, 16, True, "bfloat16", 128, dict(kv_dtype="float8_e4m3fn", consumers=3)),
     (64, 1, False, "float16", 64, dict(kv_dtype="float8_e5m2")),
     (96, 16, True, "bfloat16", 96, dict(kv_dtype="float8_e4m3fn")),
     (256, 0, True, "bfloat16", 256, dict(kv_dtype="float8_e4m3fn")),
@@ -861,6 +880,48 @@ def test_gpu_d64_without_lse_sums_rows_by_wgmma(seed, monkeypatch):
     params = {**hopper_params(seed, long=seed % 2 == 0), "dqk": 64, "dvo": 64, "return_lse": False}
     case = make_case(seed, **params)
     assert hp.HopperPlan(batch_of(case))._constexprs(None, False)["ROWSUM"]
+    check_forced(case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "dqk, dvo, kv_dtype, page_size, group",
+    [
+        (64, 64, None, 16, 4),
+        (64, 64, None, 128, 3),
+        (96, 96, None, 16, 1),
+        (192, 128, None, 0, 1),
+        (128, 128, torch.float8_e4m3fn, 16, 5),
+        (128, 128, None, 64, 7),
+    ],
+)
+def test_gpu_two_consumers_by_rule_on_short_queries(dqk, dvo, kv_dtype, page_size, group, monkeypatch):
+    """Short queries over a prefix take ``NARROW`` (128-row blocks) by the rule at D 64, 96, Dqk 192,
+    8-bit K/V at D 128 and pages of 64 / 128: odd lengths, shuffled pages, a grid of 1-3 programs
+    on half the cases so that every program walks many items, checked row by row against the float64
+    oracle."""
+    r = random.Random(dqk * 1000 + page_size * 10 + group)
+    if r.random() < 0.5:
+        programs = r.randint(1, 3)
+        monkeypatch.setattr(hp, "_num_sms", lambda device: programs)
+    n = r.randint(5, 11)
+    lens_q = [r.randint(1, 128 // group) for _ in range(n)]  # (<= 128 rows: 192-row blocks pad 1.5x)
+    lens_kv = [q + r.choice([0, 1, 63, 200, 517]) for q in lens_q]
+    hkv = r.choice([1, 2])
+    case = make_case(
+        r.randint(0, 10**6),
+        lens_q=lens_q,
+        lens_kv=lens_kv,
+        hq=group * hkv,
+        hkv=hkv,
+        dqk=dqk,
+        dvo=dvo,
+        page_size=page_size,
+        dtype=BF16,
+        kv_dtype=kv_dtype,
+    )
+    cfg = hp.config(batch_of(case))
+    assert (cfg.consumers, cfg.consumer_regs) == (2, hp.NARROW["consumer_regs"]), cfg
     check_forced(case)
 
 

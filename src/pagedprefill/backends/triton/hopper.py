@@ -157,18 +157,24 @@ def _k16_by_tma(batch: PrefillBatch, use_tma: bool) -> bool:
 
 
 def _narrow_layout(batch: PrefillBatch) -> bool:
-    """Where ``NARROW`` was measured and may be picked: D = 128 with 16-bit K/V, ragged or in pages of
-    >= 16 tokens (the cp.async gather of smaller pages: not measured)."""
-    if (batch.head_dim_qk, batch.head_dim_vo) != (128, 128) or batch.fp8_kv:
+    """Where ``NARROW`` was measured and may be picked: 16-bit q with K/V in its dtype at D 64, 96,
+    128 and Dqk 192 / Dvo 128, or e4m3 / e5m2 K/V at D 128; ragged or in pages of >= 16 tokens (the
+    cp.async gather of smaller pages: not measured). D 256 runs on two consumers anyway; fp8 q/k/v and
+    8-bit K/V off D 128 were not measured (8-bit K/V at D 128 was, with e4m3)."""
+    if batch.fp8_q or batch.head_dim_vo > 128:
+        return False
+    if batch.fp8_kv and (batch.head_dim_qk, batch.head_dim_vo) != (128, 128):
         return False
     return not (batch.paged and batch.page_size < 16)
 
 
 def prefers_narrow(batch: PrefillBatch) -> bool:
-    """Whether ``NARROW`` beat ``DEFAULT`` on the H200 for calls like this one: D = 128, 16-bit K/V
-    (ragged or in pages of >= 16 tokens), and a sequence's ``max_q * group`` rows padded to 192-row
-    blocks take >= 1.2x the rows they take in 128-row blocks (64-token queries at GQA 4: 384 against
-    256 rows, +7%). Where padding is even, two consumers lose 6% (fewer rows share each K/V tile)."""
+    """Whether ``NARROW`` beat ``DEFAULT`` for calls like this one (:func:`_narrow_layout`): a
+    sequence's ``max_q * group`` rows padded to 192-row blocks take >= 1.2x the rows they take in
+    128-row blocks (64-token queries at GQA 4: 384 against 256 rows). 256 queries of 64 tokens over a
+    512-token prefix, two consumers against three: +7% at D 128 (H200), and on an H100 +13% at D 128
+    in pages of 64, +6.5% at D 64, +3.5% at D 96 (MHA), +9% at Dqk 192 (MHA, 64 sequences), +11% with
+    e4m3 K/V at D 128. Where padding is even, two consumers lose 6% (fewer rows share each K/V tile)."""
     if not _narrow_layout(batch):
         return False
     rows = batch.work_q * batch.group_size
@@ -352,8 +358,8 @@ def config(batch: PrefillBatch) -> Config:
 
 def sibling(batch: PrefillBatch, cfg: Config) -> Config | None:
     """The other of ``DEFAULT`` and ``NARROW`` (the consumer count is a compile-time constant) where
-    :func:`config` may pick either for this layout as only lengths and batch size change: D 128 with
-    16-bit K/V, ragged or in pages of >= 16 tokens, no tuning knobs. :class:`HopperPlan` compiles it
+    :func:`config` may pick either for this layout as only lengths and batch size change (where
+    :func:`_narrow_layout` allows ``NARROW``), no tuning knobs. :class:`HopperPlan` compiles it
     beside its own at the first launch, so that a later call of the other kind compiles nothing."""
     if tuning.knobs("hopper") or not _narrow_layout(batch):
         return None
