@@ -919,6 +919,7 @@ def test_gpu_two_consumers_by_rule_on_short_queries(dqk, dvo, kv_dtype, page_siz
         page_size=page_size,
         dtype=BF16,
         kv_dtype=kv_dtype,
+        device="cuda",
     )
     cfg = hp.config(batch_of(case))
     assert (cfg.consumers, cfg.consumer_regs) == (2, hp.NARROW["consumer_regs"]), cfg
