@@ -53,6 +53,18 @@ def main() -> int:
             None,
         ),
         ("hopper ragged dqk192", dict(dqk=192, dvo=128, page_size=0, dtype=BF16), "triton", None),
+        (
+            "hopper d64 paged16 two consumers",
+            dict(dqk=64, page_size=16, dtype=BF16, lens_q=[30, 0, 17, 5]),
+            "triton",
+            None,
+        ),
+        (
+            "hopper fp8kv paged16 two consumers",
+            dict(dqk=128, page_size=16, dtype=BF16, kv_dtype=E4M3, lens_q=[30, 0, 17, 5]),
+            "triton",
+            None,
+        ),
         ("hopper page1 cp.async gqa3", dict(dqk=64, page_size=1, dtype=F16, hq=6, hkv=2), "triton", None),
         (
             "hopper d64 paged16 tma row sums",
