@@ -329,7 +329,7 @@ def test_fp8_qkv_staging_holds_v_only():
     and all of it fits; fewer than 32 keys a tile are refused (V's keys are reordered in blocks of
     32)."""
     for dqk in (64, 128):
-        for knobs in ({}, dict(consumers=2, BLOCK_N=128, consumer_regs=224)):
+        for knobs in ({}, TILES_128):
             batch = batch_of(_case(dqk=dqk, dtype=E4M3))
             with tuning.override("hopper", **knobs):
                 cfg = hp.config(batch)
@@ -798,7 +798,7 @@ SPECS = [  # (the cases' 7-token queries at GQA 4 take NARROW where `_narrow_lay
     (192, 16, True, "bfloat16", 128, dict(kv_dtype="float8_e4m3fn", logits_soft_cap=30.0)),
     (128, 16, True, "float8_e4m3fn", 128, {}),  # e4m3 q, k and v: 8-bit wgmmas, V transposed
     (64, 1, False, "float8_e4m3fn", 64, dict(window_left=40)),
-    (64, 1, True, "float8_e4m3fn", 64, dict(consumers=2, BLOCK_N=128, consumer_regs=224)),  # (K gathered whole)
+    (64, 1, True, "float8_e4m3fn", 64, dict(TILES_128)),  # (K gathered whole)
     # device lengths and offsets read by the kernel in place of the metadata table
     (128, 0, True, "bfloat16", 128, dict(vectors=True, dynamic=1)),
     (128, 16, True, "bfloat16", 128, dict(vectors=True)),
@@ -1251,7 +1251,7 @@ def test_gpu_random_grid_fp8_qkv(seed, monkeypatch):
         params["logits_soft_cap"] = 30.0
     knobs = dict(chunk=seed % 5, dynamic=seed // 2 % 2)
     if seed % 4 == 1:
-        knobs.update(consumers=2, BLOCK_N=128, consumer_regs=224)
+        knobs.update(TILES_128)
     if seed % 4 == 3:
         knobs.update(BLOCK_N=32)
     case = make_case(seed, **params)
