@@ -65,6 +65,12 @@ def main() -> int:
             "triton",
             None,
         ),
+        (
+            "hopper fp8kv d96 paged16 two consumers",
+            dict(dqk=96, page_size=16, dtype=BF16, kv_dtype=E4M3, lens_q=[30, 0, 17, 5]),
+            "triton",
+            None,
+        ),
         ("hopper page1 cp.async gqa3", dict(dqk=64, page_size=1, dtype=F16, hq=6, hkv=2), "triton", None),
         (
             "hopper d64 paged16 tma row sums",

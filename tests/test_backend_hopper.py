@@ -209,8 +209,8 @@ def test_config_picks_the_schedule_by_shape():
 def test_config_takes_two_consumers_where_192_row_blocks_would_be_padding():
     """``NARROW`` (two consumers, 128-row blocks) when a sequence's max_q * group rows padded to
     192-row blocks are >= 1.2x those padded to 128 (64-token queries at GQA 4: 384 vs 256): 16-bit
-    K/V at D 64, 96, 128 and Dqk 192, 8-bit K/V at D 128, ragged or in pages of >= 16 tokens (64 and
-    128 included); never for D 256 (two consumers anyway), 8-bit K/V at other head dims, fp8 q, pages
+    K/V at D 64, 96, 128 and Dqk 192, 8-bit K/V at D 96 and 128, ragged or in pages of >= 16 tokens (64
+    and 128 included); never for D 256 (two consumers anyway), 8-bit K/V at other head dims, fp8 q, pages
     under 16 tokens, or under a ``consumers`` knob."""
     static = dataclasses.replace(hp.DEFAULT, dynamic=0)
     narrow = dataclasses.replace(static, **hp.NARROW)
@@ -227,7 +227,8 @@ def test_config_takes_two_consumers_where_192_row_blocks_would_be_padding():
     assert (d96.consumers, d96.consumer_regs, d96.stages) == (2, hp.NARROW["consumer_regs"], hp.D96_STAGES)
     assert cfg(64, dqk=192, dvo=128) == narrow and cfg(96, dqk=192, dvo=128) == static
     assert cfg(64, kv_dtype=torch.float8_e4m3fn) == narrow and cfg(96, kv_dtype=torch.float8_e4m3fn) == static
-    assert cfg(64, kv_dtype=torch.float8_e4m3fn, dqk=64).consumers == 3  # (8-bit K/V off D 128: not measured)
+    assert cfg(64, kv_dtype=torch.float8_e4m3fn, dqk=96).consumers == 2  # (8-bit K/V at D 96: measured)
+    assert cfg(64, kv_dtype=torch.float8_e4m3fn, dqk=64).consumers == 3  # (8-bit K/V at D 64: level)
     assert cfg(64, dqk=256).consumers == 2 and cfg(64, dqk=256).BLOCK_N == hp.D256_SPLIT["BLOCK_N"]
     e4m3 = torch.float8_e4m3fn
     assert cfg(64, dtype=e4m3, kv_dtype=e4m3).consumers == 3  # (fp8 q/k/v: not measured)
@@ -892,12 +893,13 @@ def test_gpu_d64_without_lse_sums_rows_by_wgmma(seed, monkeypatch):
         (96, 96, None, 16, 1),
         (192, 128, None, 0, 1),
         (128, 128, torch.float8_e4m3fn, 16, 5),
+        (96, 96, torch.float8_e4m3fn, 16, 1),
         (128, 128, None, 64, 7),
     ],
 )
 def test_gpu_two_consumers_by_rule_on_short_queries(dqk, dvo, kv_dtype, page_size, group, monkeypatch):
     """Short queries over a prefix take ``NARROW`` (128-row blocks) by the rule at D 64, 96, Dqk 192,
-    8-bit K/V at D 128 and pages of 64 / 128: odd lengths, shuffled pages, a grid of 1-3 programs
+    8-bit K/V at D 96 and 128 and pages of 64 / 128: odd lengths, shuffled pages, a grid of 1-3 programs
     on half the cases so that every program walks many items, checked row by row against the float64
     oracle."""
     r = random.Random(dqk * 1000 + page_size * 10 + group)

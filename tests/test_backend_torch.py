@@ -719,3 +719,36 @@ def test_16k_single_sequence_bounded_memory_and_correct():
     assert worst_l < 1e-3, worst_l
     # the full (Hq, 16k, 16k) float32 score matrix alone would be 8 GiB
     assert extra_gib < 3.0, f"peak memory grew by {extra_gib:.2f} GiB during the call"
+
+
+@pytest.mark.parametrize("logit", [1e4, 1e6, 1e8])
+@pytest.mark.parametrize("sink", [False, True])
+def test_large_logits_keep_probabilities_normalised(logit, sink):
+    """Keys of equal logits L get equal weights however large L is (P as exp(s - max) / sum, not
+    exp(s - lse), whose float32 lse loses log(sum) to rounding at L >= ~1e4): out = mean(V) (with a
+    sink far below L: the sink's weight is 0), lse = L + log(n)."""
+    n, d = 5, 16
+    gen = torch.Generator().manual_seed(int(math.log10(logit)))
+    v = torch.randn(1, 1, 8, d, generator=gen)
+    c = math.sqrt(logit / d)
+    q = torch.full((1, 2, d), c)
+    k = torch.full((1, 1, 8, d), c)
+    out, lse = cudnn_batch_prefill_with_kv_cache(
+        q,
+        k,
+        v,
+        1.0,
+        torch.empty(1 << 20, dtype=torch.uint8),
+        max_token_per_sequence=1,
+        max_sequence_kv=n,
+        actual_seq_lens_q=torch.tensor([1]),
+        actual_seq_lens_kv=torch.tensor([n]),
+        block_tables=torch.tensor([[0]], dtype=torch.int32),
+        causal=False,
+        return_lse=True,
+        sinks=torch.zeros(2) if sink else None,
+        backend="torch",
+    )
+    want = v[0, 0, :n].double().mean(0)
+    assert (out[0].double() - want).abs().max().item() < 1e-5
+    assert torch.allclose(lse.double().view(-1), torch.full((2,), logit + math.log(n), dtype=torch.float64), rtol=1e-6)

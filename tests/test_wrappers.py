@@ -367,9 +367,8 @@ def test_wrappers_random_grid(seed):
         ("plan", dict(fixed_split_size=64)),
         ("init", dict(jit_args=[1])),
         ("init", dict(custom_mask_buf=torch.ones(3))),
-        ("init", dict(backend="fa3")),
+        ("init", dict(backend="trtllm-gen")),
         ("run", dict(kv_cache_sf=torch.ones(3))),
-        ("run", dict(enable_pdl=True)),
     ],
 )
 def test_unsupported_flashinfer_arguments_are_named(where, kwargs):
@@ -645,3 +644,67 @@ def test_ragged_o_indptr_writes_an_out_of_its_own_rows():
     assert len(ref) == int(qo[-1])
     for row, want in ref.items():
         torch.testing.assert_close(out[row + 3].double().cpu(), want, atol=2e-5, rtol=0)
+
+
+def _failed_replan(dev: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, list, list]:
+    """use_cuda_graph: plan A, run; a plan B of new lengths and pages that raises (window_left=-5,
+    refused after the batch's vectors were read); run again. Returns both runs' outputs and the
+    wrapper's buffers before and after B."""
+    torch.manual_seed(0)
+    ps, hq, hkv, d = 16, 8, 8, 64
+    k = torch.randn(8, hkv, ps, d, device=dev, dtype=dtype)
+    v = torch.randn(8, hkv, ps, d, device=dev, dtype=dtype)
+    q = torch.randn(6, hq, d, device=dev, dtype=dtype)
+
+    def i32(*x):
+        return torch.tensor(x, dtype=torch.int32)
+
+    ws = torch.empty(64 << 20, dtype=torch.uint8, device=dev)
+    w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(ws, "HND", use_cuda_graph=True)
+    w.plan(
+        i32(0, 3, 6), i32(0, 1, 2), i32(5, 2), i32(16, 16), hq, hkv, d, ps, q_data_type=dtype,
+        max_token_per_sequence=8, max_sequence_kv=32,
+    )  # fmt: skip
+    before = w.run(q, (k, v)).clone()
+    bufs = [b.clone() for b in w._buffers.values() if isinstance(b, torch.Tensor)]
+    with pytest.raises(ValueError, match="window_left"):
+        w.plan(i32(0, 1, 6), i32(0, 1, 2), i32(0, 7), i32(3, 9), hq, hkv, d, ps, q_data_type=dtype, window_left=-5)
+    after_bufs = [b.clone() for b in w._buffers.values() if isinstance(b, torch.Tensor)]
+    return before, w.run(q, (k, v)), bufs, after_bufs
+
+
+def test_cuda_graph_wrapper_failed_plan_leaves_its_buffers():
+    """use_cuda_graph: a plan that raises writes nothing into the buffers the last plan (and a graph
+    captured from it) reads at every run, so that plan's runs are unchanged."""
+    before, after, bufs, after_bufs = _failed_replan(DEVICE, F32 if DEVICE == "cpu" else F16)
+    assert len(bufs) == len(after_bufs) >= 4
+    for a, b in zip(bufs, after_bufs):
+        assert torch.equal(a, b)
+    assert torch.equal(before, after)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_wrapper_failed_plan_leaves_its_buffers():
+    """The same on the GPU, where the plan reads the buffers on the device at every run."""
+    before, after, bufs, after_bufs = _failed_replan("cuda", F16)
+    for a, b in zip(bufs, after_bufs):
+        assert torch.equal(a, b)
+    assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_flashinfer_kernel_names_pdl_and_plan_record(backend):
+    """FlashInfer's backend names fa2 / fa3 run on 'auto', ``enable_pdl=True`` is taken as a hint, and
+    the plan's record that engines assert on (``_causal``, ``_window_left``, ``_logits_soft_cap``,
+    ``_sm_scale``, FlashInfer's default scale 1 / sqrt(head_dim_qk)) is there after ``plan``."""
+    case = _case(causal=True)
+    kw = case.kwargs
+    indptr, indices, last = _csr(case)
+    w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(kw["workspace_buffer"], "HND", backend=backend)
+    w.plan(_qo_indptr(case), indptr, indices, last, 6, 2, 32, 4, q_data_type=F32, causal=True)
+    assert (w._causal, w._window_left, w._logits_soft_cap) == (True, -1, 0.0)
+    assert w._sm_scale == pytest.approx(1 / math.sqrt(32))
+    check(case, w.run(kw["q"], (kw["k_cache"], kw["v_cache"]), enable_pdl=True), None, atol=2e-5)
+    w.plan(_qo_indptr(case), indptr, indices, last, 6, 2, 32, 4, q_data_type=F32, sm_scale=0.25, window_left=7,
+           logits_soft_cap=30.0)  # fmt: skip
+    assert (w._causal, w._window_left, w._logits_soft_cap, w._sm_scale) == (False, 7, 30.0, 0.25)

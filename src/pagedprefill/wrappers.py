@@ -4,7 +4,10 @@ and ``BatchPrefillWithRaggedKVCacheWrapper`` runs by changing the import.
 ``plan(...)`` takes FlashInfer's arguments (CSR pages: ``qo_indptr``, ``paged_kv_indptr``,
 ``paged_kv_indices``, ``paged_kv_last_page_len``) and makes a :class:`~pagedprefill.PrefillPlan`;
 ``run(q, paged_kv_cache, ...)`` runs it. Arguments this library does not implement raise
-``NotImplementedError`` naming them; they are never ignored.
+``NotImplementedError`` naming them; they are never ignored. FlashInfer's own kernel names
+``backend="fa2"`` / ``"fa3"`` run on this library's ``"auto"`` (the same attention); ``enable_pdl`` is a
+launch hint, taken and not used. After ``plan``, the wrapper holds FlashInfer's record of it
+(``_causal``, ``_window_left``, ``_logits_soft_cap``, ``_sm_scale``), which engines check before a run.
 
 As in FlashInfer, the wrappers return the LSE in **base 2** (``log2`` of the sum of ``2^(s log2 e)``),
 shape ``(qo_indptr[-1], num_qo_heads)``; the one-shot ``cudnn_batch_prefill_with_kv_cache`` and
@@ -37,12 +40,14 @@ recommends); on the device, ``plan`` reads them back once unless ``max_token_per
 With ``use_cuda_graph=True`` the indptr arrays live in device buffers that ``plan`` refills and every
 ``run`` reads, so a run captured once replays correctly after a new ``plan`` (same batch size and no
 longer sequences than the first plan allowed: pass ``max_token_per_sequence`` / ``max_sequence_kv`` to
-the first plan to set those bounds).
+the first plan to set those bounds). A ``plan`` that raises leaves the wrapper as it was: its buffers
+are filled only once the new plan has been made.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 
@@ -73,6 +78,9 @@ _UNPLANNED = dict(
     seq_lens_q=None,
 )
 _OUR_BACKENDS = ("auto", "cudnn", "triton", "torch")
+# FlashInfer's own FlashAttention kernels (its default choices on Hopper and before): the same attention,
+# served here by this library's fastest backend for the call
+_FLASHINFER_FA = ("fa2", "fa3")
 
 
 def _rope_unused(refused: dict, pos_encoding_mode: object) -> dict:
@@ -113,6 +121,33 @@ def _beside_qo(name: str, t: object, qo: Tensor, fewer: int, device: torch.devic
     return t
 
 
+def _all_or_nothing(plan):
+    """A ``plan`` that leaves the wrapper as it was when it raises: with ``use_cuda_graph`` the new
+    values reach the wrapper's buffers (which the last plan, and any graph captured from it, read at
+    every run) only once the new plan has been made, and the bounds and batch size a first plan fixes
+    are restored."""
+
+    @functools.wraps(plan)
+    def planned(self, *args, **kwargs) -> None:
+        saved = (self._bounds, self._batch)
+        self._pending = []
+        try:
+            plan(self, *args, **kwargs)
+        except BaseException:
+            self._bounds, self._batch = saved
+            for buf, values, filled in reversed(self._pending):
+                if filled:  # (a CPU buffer, filled while the plan read it: its old values back)
+                    buf.copy_(values)
+            raise
+        finally:
+            pending, self._pending = self._pending, None
+        for buf, values, filled in pending:
+            if not filled:
+                buf.copy_(values, non_blocking=self._non_blocking)
+
+    return planned
+
+
 class _Wrapper:
     _paged: bool
 
@@ -136,9 +171,12 @@ class _Wrapper:
             jit_args=(jit_args, None),
             jit_kwargs=(jit_kwargs, None),
         )
+        if backend in _FLASHINFER_FA:
+            backend = "auto"
         if backend not in _OUR_BACKENDS:
             raise NotImplementedError(
-                f"pagedprefill does not implement FlashInfer's backend={backend!r}; its backends are {_OUR_BACKENDS}"
+                f"pagedprefill does not implement FlashInfer's backend={backend!r}; its backends are "
+                f"{_OUR_BACKENDS} (and FlashInfer's {_FLASHINFER_FA}, served as 'auto')"
             )
         self._workspace = float_workspace_buffer
         self._kv_layout = kv_layout
@@ -150,6 +188,7 @@ class _Wrapper:
         self._lse_rows: tuple[int, int] | Tensor | None = None  # (first, end) rows, or the device qo_indptr
         self._bounds: tuple[int, int] | None = None
         self._batch: int | None = None
+        self._pending: list | None = None  # (use_cuda_graph, inside plan: buffer copies made once it succeeds)
         self._dtypes: tuple = (None, None)
         self._non_blocking = True  # (plan's non_blocking: the use_cuda_graph buffers' copies)
         # a deprecated forward()'s causal / window / soft-cap / scale, which (as in FlashInfer) later runs keep
@@ -197,7 +236,7 @@ class _Wrapper:
         if buf.numel() < t.numel():
             raise fail(f"{name}_buf", f"at least {t.numel()} entries for this plan", f"{buf.numel()}")
         view = buf[: t.numel()]
-        view.copy_(t.reshape(-1), non_blocking=self._non_blocking)
+        self._fill(view, t.reshape(-1))
         return view
 
     def _graph_table(self, table: Tensor) -> Tensor:
@@ -211,8 +250,20 @@ class _Wrapper:
             raise fail(
                 "block_tables", f"shape {tuple(buf.shape)} (use_cuda_graph: as in the first plan)", tuple(table.shape)
             )
-        buf.copy_(table, non_blocking=self._non_blocking)
+        self._fill(buf, table)
         return buf
+
+    def _fill(self, buf: Tensor, values: Tensor) -> None:
+        """``buf`` gets ``values``: at once, or (inside ``plan``) once the plan has been made; a CPU
+        buffer (whose values the plan reads as host lengths while it is made) at once, its old values
+        kept until the plan has been made."""
+        if self._pending is None:
+            buf.copy_(values, non_blocking=self._non_blocking)
+        elif buf.device.type == "cpu":
+            self._pending.append((buf, buf.clone(), True))
+            buf.copy_(values, non_blocking=self._non_blocking)
+        else:
+            self._pending.append((buf, values, False))
 
     def _bounds_for(self, max_q, max_kv, lens_q_host, lens_kv_host) -> tuple[int, int]:
         """The plan's max lengths; with use_cuda_graph, fixed by the first plan."""
@@ -276,6 +327,11 @@ class _Wrapper:
         self._variant_plans = {}
         self._forwarded = {}
         self._set_lse_rows(qo_indptr)
+        # FlashInfer's record of the plan, which engines check before each run (vLLM asserts them)
+        self._causal = bool(args["causal"])
+        self._window_left = args["window_left"]
+        self._logits_soft_cap = args["logits_soft_cap"] or 0.0
+        self._sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(args["head_dim_qk"])
 
     def _set_lse_rows(self, qo_indptr: Tensor) -> None:
         """The rows a run's LSE covers, for the base-2 conversion of a caller's buffer: known on the
@@ -445,6 +501,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
             jit_kwargs,
         )
 
+    @_all_or_nothing
     def plan(
         self,
         qo_indptr: Tensor,
@@ -566,7 +623,6 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         if args:
             raise NotImplementedError("pagedprefill does not implement FlashInfer's extra positional run arguments")
         _refuse(
-            enable_pdl=(enable_pdl, None) if enable_pdl else (None, None),
             kv_cache_sf=(kv_cache_sf, None),
             skip_softmax_threshold_scale_factor=(skip_softmax_threshold_scale_factor, None),
             use_fp16_softmax=(use_fp16_softmax, None) if use_fp16_softmax else (None, None),
@@ -672,6 +728,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
             jit_kwargs,
         )
 
+    @_all_or_nothing
     def plan(
         self,
         qo_indptr: Tensor,
@@ -763,7 +820,6 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         _refuse(
             o_scale=(None if type(o_scale) in (int, float) and o_scale == 1 else o_scale, None),
             kv_cache_sf=(kv_cache_sf, None),
-            enable_pdl=(enable_pdl, None) if enable_pdl else (None, None),
         )
         if self._kv_layout == "HND":
             k, v = k.transpose(0, 1), v.transpose(0, 1)

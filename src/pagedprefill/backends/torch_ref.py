@@ -99,13 +99,19 @@ class TorchPlan:
                 if w >= 0:
                     hidden |= cols < pos - w
                 s = s.masked_fill(hidden, float("-inf"))
-                if sinks is not None:
-                    lse = torch.logsumexp(
-                        torch.cat([s, sinks.expand(hkv, g, r1 - r0, 1)], dim=-1), dim=-1, keepdim=True
-                    )
-                else:
-                    lse = torch.logsumexp(s, dim=-1, keepdim=True)  # -inf for rows with no visible key
-                p = torch.exp(s - lse.clamp(min=torch.finfo(torch.float32).min))
+                # P = exp(s - m) / l with the row max m, not exp(s - lse): at logits of ~1e4 and above
+                # lse = m + log(l) loses log(l) to float32 rounding
+                m = s.amax(dim=-1, keepdim=True)
+                sk = None if sinks is None else sinks.expand(hkv, g, r1 - r0, 1)
+                if sk is not None:
+                    m = torch.maximum(m, sk)
+                m = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # (rows with no visible key)
+                e = torch.exp(s - m)
+                den = e.sum(dim=-1, keepdim=True)
+                if sk is not None:
+                    den = den + torch.exp(sk - m)
+                lse = m + torch.log(den)  # -inf for rows with no visible key (and no sink)
+                p = e / den.clamp(min=torch.finfo(torch.float32).tiny)
                 o = torch.matmul(p.view(hkv, g * (r1 - r0), lkv), v).view(hkv, g, r1 - r0, -1)
                 out_rows[r0:r1] = o.reshape(hq, r1 - r0, -1).transpose(0, 1).to(t.out.dtype)
                 if lse_rows is not None:

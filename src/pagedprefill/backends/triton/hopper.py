@@ -158,12 +158,13 @@ def _k16_by_tma(batch: PrefillBatch, use_tma: bool) -> bool:
 
 def _narrow_layout(batch: PrefillBatch) -> bool:
     """Where ``NARROW`` was measured and may be picked: 16-bit q with K/V in its dtype at D 64, 96,
-    128 and Dqk 192 / Dvo 128, or e4m3 / e5m2 K/V at D 128; ragged or in pages of >= 16 tokens (the
-    cp.async gather of smaller pages: not measured). D 256 runs on two consumers anyway; fp8 q/k/v and
-    8-bit K/V off D 128 were not measured (8-bit K/V at D 128 was, with e4m3)."""
+    128 and Dqk 192 / Dvo 128, or e4m3 / e5m2 K/V at D 96 and 128; ragged or in pages of >= 16 tokens
+    (the cp.async gather of smaller pages: not measured). D 256 runs on two consumers anyway; fp8 q/k/v
+    (D 64 and 128) and 8-bit K/V at D 64 read level on two consumers (+1 to +3%, inside the spread);
+    8-bit K/V at Dqk 192 was not measured (the 8-bit rows were, with e4m3)."""
     if batch.fp8_q or batch.head_dim_vo > 128:
         return False
-    if batch.fp8_kv and (batch.head_dim_qk, batch.head_dim_vo) != (128, 128):
+    if batch.fp8_kv and (batch.head_dim_qk, batch.head_dim_vo) not in ((96, 96), (128, 128)):
         return False
     return not (batch.paged and batch.page_size < 16)
 
@@ -174,7 +175,8 @@ def prefers_narrow(batch: PrefillBatch) -> bool:
     128-row blocks (64-token queries at GQA 4: 384 against 256 rows). 256 queries of 64 tokens over a
     512-token prefix, two consumers against three: +7% at D 128 (H200), and on an H100 +13% at D 128
     in pages of 64, +6.5% at D 64, +3.5% at D 96 (MHA), +9% at Dqk 192 (MHA, 64 sequences), +11% with
-    e4m3 K/V at D 128. Where padding is even, two consumers lose 6% (fewer rows share each K/V tile)."""
+    e4m3 K/V at D 128, +10.5% with e4m3 K/V at D 96 (MHA). Where padding is even, two consumers lose
+    6% (fewer rows share each K/V tile)."""
     if not _narrow_layout(batch):
         return False
     rows = batch.work_q * batch.group_size
