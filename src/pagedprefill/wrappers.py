@@ -213,6 +213,23 @@ class _Wrapper:
     def end_forward(self) -> None:
         """FlashInfer's deprecated ``end_forward``: nothing to release."""
 
+    # FlashInfer's record of the plan, which engines check before each run (vLLM asserts on them)
+    @property
+    def _causal(self) -> bool:
+        return self.plan_object.seq.causal
+
+    @property
+    def _window_left(self) -> int:
+        return self.plan_object.seq.window_left
+
+    @property
+    def _logits_soft_cap(self) -> float:
+        return self.plan_object.seq.logits_soft_cap
+
+    @property
+    def _sm_scale(self) -> float:
+        return self.plan_object.seq.scale
+
     @property
     def plan_object(self) -> PrefillPlan:
         """The :class:`~pagedprefill.PrefillPlan` made by the last ``plan``."""
@@ -327,11 +344,6 @@ class _Wrapper:
         self._variant_plans = {}
         self._forwarded = {}
         self._set_lse_rows(qo_indptr)
-        # FlashInfer's record of the plan, which engines check before each run (vLLM asserts them)
-        self._causal = bool(args["causal"])
-        self._window_left = args["window_left"]
-        self._logits_soft_cap = args["logits_soft_cap"] or 0.0
-        self._sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(args["head_dim_qk"])
 
     def _set_lse_rows(self, qo_indptr: Tensor) -> None:
         """The rows a run's LSE covers, for the base-2 conversion of a caller's buffer: known on the
