@@ -490,6 +490,23 @@ def test_o_data_type_unsupported():
     expect_value_error(with_(paged(), out=None, o_data_type=torch.int32), "o_data_type")
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("where", ["o_data_type", "out"])
+def test_an_8bit_output_is_not_implemented(dtype, where):
+    """A FlashInfer value this library does not implement: NotImplementedError naming the argument,
+    and the caller's out left as it was."""
+    kw = paged()
+    if where == "out":
+        out = torch.full(kw["out"].shape, 1.5).to(dtype)
+        kw = with_(kw, out=out)
+    else:
+        kw = with_(kw, out=None, o_data_type=dtype)
+    with pytest.raises(NotImplementedError, match=where):
+        pagedprefill.cudnn_batch_prefill_with_kv_cache(**kw)
+    if where == "out":
+        assert (out.float() == 1.5).all()
+
+
 # --------------------------------------------------------------------------------------------
 # Bad input: fp8 scales, scalars, workspace, backend, units
 # --------------------------------------------------------------------------------------------

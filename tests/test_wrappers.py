@@ -250,6 +250,9 @@ def test_deprecated_flashinfer_methods():
     o2, l2 = w.run_return_lse(kw["q"], cache)  # (the last forward's: not causal, no window)
     check(full, o2, None, atol=2e-5)
     torch.testing.assert_close(l2.double().cpu() * math.log(2), _ref_lse_rows(full), atol=2e-5, rtol=0)
+    o3 = w.run_return_lse(kw["q"], cache, return_lse=False)  # (FlashInfer's partialmethod: the call's own wins)
+    assert isinstance(o3, torch.Tensor)
+    check(full, o3, None, atol=2e-5)
     with pytest.raises(NotImplementedError, match="pos_encoding_mode"):
         w.forward(kw["q"], cache, pos_encoding_mode="ROPE_LLAMA", rope_theta=1e4)
     with pytest.raises(NotImplementedError, match="workspace_size"):

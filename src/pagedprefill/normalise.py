@@ -186,6 +186,13 @@ def variant_args(window_left: object, logits_soft_cap: object) -> tuple[int, flo
 
 def resolve_out_dtype(q_dtype: torch.dtype, o_data_type: object, out: object) -> torch.dtype:
     """The output dtype: ``o_data_type``, else ``out``'s, else q's (bf16 for fp8 q)."""
+    if o_data_type in FP8_DTYPES or (o_data_type is None and isinstance(out, Tensor) and out.dtype in FP8_DTYPES):
+        # (a value FlashInfer takes, not a wrong one: no backend here writes an 8-bit O)
+        what = "o_data_type" if o_data_type is not None else "out"
+        got = o_data_type if o_data_type is not None else out.dtype
+        raise NotImplementedError(
+            f"{what}: an 8-bit output ({got}) is not implemented; use float16, bfloat16 or float32"
+        )
     if o_data_type is None:
         if isinstance(out, Tensor):
             if out.dtype not in OUT_DTYPES:

@@ -27,7 +27,7 @@ describe the same batch (checked where all of it is on the host). As in FlashInf
 missing ``q_scale`` / ``k_scale`` / ``v_scale`` of an 8-bit tensor as 1.0 and checks a given ``out``
 against q's rows and the planned output dtype. Unlike FlashInfer: with fp8 q and no ``o_data_type``
 the output is bfloat16 (FlashInfer's paged wrapper returns q's fp8 dtype; an fp8 output is not
-implemented here and ``o_data_type=float8`` is refused by name), an ``lse`` buffer given with
+implemented here: ``o_data_type=float8`` raises ``NotImplementedError``), an ``lse`` buffer given with
 ``return_lse=False`` is refused rather than written, a ``q`` with more rows than ``qo_indptr[-1]``
 runs (engines pad q to a CUDA graph's size; FlashInfer raises): its extra rows are left as they are
 in a caller's ``out`` and hold 0 / -inf in allocated buffers, and the ragged ``run`` applies
@@ -644,8 +644,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         return self._run(q, k, v, out, lse, return_lse, q_scale, k_scale, v_scale, window_left, sinks)
 
     def run_return_lse(self, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        """FlashInfer's ``run_return_lse``: :meth:`run` with ``return_lse=True`` (out, base-2 lse)."""
-        return self.run(*args, return_lse=True, **kwargs)
+        """FlashInfer's ``run_return_lse``: :meth:`run` with ``return_lse=True`` (out, base-2 lse) unless the
+        call names ``return_lse`` itself (FlashInfer's ``partialmethod``)."""
+        return self.run(*args, **{"return_lse": True, **kwargs})
 
     def forward(
         self,
@@ -838,8 +839,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         return self._run(q, k, v, out, lse, return_lse, q_scale, k_scale, v_scale, window_left, sinks)
 
     def run_return_lse(self, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        """FlashInfer's ``run_return_lse``: :meth:`run` with ``return_lse=True`` (out, base-2 lse)."""
-        return self.run(*args, return_lse=True, **kwargs)
+        """FlashInfer's ``run_return_lse``: :meth:`run` with ``return_lse=True`` (out, base-2 lse) unless the
+        call names ``return_lse`` itself (FlashInfer's ``partialmethod``)."""
+        return self.run(*args, **{"return_lse": True, **kwargs})
 
     def forward(
         self,
