@@ -105,7 +105,9 @@ def cudnn_batch_prefill_with_kv_cache(
         window_left: sliding window: with w >= 0, query i (position p = i + kv_len - q_len) sees only
             keys j >= p - w. -1: off.
         logits_soft_cap: with c > 0, logits are c·tanh(logit / c) (Gemma). 0: off.
-        sinks: float32 (Hq,) per-head logits joining every row's softmax denominator (gpt-oss).
+        sinks: float32 (Hq,) per-head logits joining every row's softmax denominator (gpt-oss);
+            finite, or -inf for no sink. NaN and +inf are not checked (that would read the device
+            tensor back) and give backend-dependent rows.
 
     Returns:
         (out, lse): lse is None unless ``return_lse``. Rows with no visible key get out 0 and lse
