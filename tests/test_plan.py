@@ -167,6 +167,10 @@ def test_run_checks_the_layer_against_the_plan():
         p.run(q, k.reshape(-1, 2, 2, 32)[: k.shape[0]], v.reshape(-1, 2, 2, 32)[: v.shape[0]])
     with pytest.raises(ValueError, match="^q: expected a q with at least"):
         p.run(q[:3], k, v)
+    with pytest.raises(ValueError, match="^q: expected a tensor on the plan's device"):  # (not k_cache: q moved)
+        p.run(q.to("meta"), k, v)
+    with pytest.raises(ValueError, match="^return_lse: expected a bool, got 'no'"):  # (as plan() says)
+        p.run(q, k, v, kw["out"], return_lse="no")
     assert torch.equal(before, kw["out"]) or torch.isnan(before).all() and torch.isnan(kw["out"]).all()
 
 
@@ -212,6 +216,14 @@ def test_plan_arguments_are_checked():
     with pytest.raises(ValueError, match="^workspace_buffer: expected a torch.Tensor"):
         pagedprefill.plan(
             bytearray(8), num_qo_heads=4, num_kv_heads=2, head_dim_qk=32, actual_seq_lens_q=torch.tensor([1])
+        )
+    with pytest.raises(ValueError, match="^workspace_buffer: expected a buffer on the CPU or a CUDA device"):
+        pagedprefill.plan(
+            torch.empty(64, dtype=torch.uint8, device="meta"),
+            num_qo_heads=4,
+            num_kv_heads=2,
+            head_dim_qk=32,
+            actual_seq_lens_q=torch.tensor([1]),
         )
 
 

@@ -268,6 +268,48 @@ def test_deprecated_flashinfer_methods():
     check(causal, w.run(kw["q"], cache), None, atol=2e-5)  # (a new plan's settings again)
 
 
+def test_errors_name_the_wrappers_own_arguments():
+    """An argument the wrapper passes on under the library's name is named in errors as the caller
+    wrote it (FlashInfer's paged_kv_* and o_indptr), at plan and at run time."""
+    case = _case(causal=True)
+    kw = case.kwargs
+    indptr, indices, last = _csr(case)
+    ps = kw["k_cache"].shape[2]
+    cache = (kw["k_cache"], kw["v_cache"])
+    w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(kw["workspace_buffer"], "HND")
+
+    def plan(ip=indptr, ids=indices, lp=last):
+        w.plan(_qo_indptr(case), ip, ids, lp, 6, 2, 32, ps, q_data_type=F32, causal=True)
+
+    bad_last = last.clone()
+    bad_last[0] = ps + 1
+    with pytest.raises(ValueError, match="^paged_kv_last_page_len: expected values in"):
+        plan(lp=bad_last)
+    bad_ptr = indptr.clone()
+    bad_ptr[-1] += 1
+    with pytest.raises(ValueError, match="^paged_kv_indptr: expected"):
+        plan(ip=bad_ptr)
+    bad_ids = indices.clone()
+    bad_ids[0] = kw["k_cache"].shape[0] + 5
+    plan(ids=bad_ids)  # (ids on the device are checked against the cache at the run, on the host here)
+    with pytest.raises(ValueError, match="^paged_kv_indices: expected page ids in"):
+        w.run(kw["q"], cache)
+    plan()
+    check(case, w.run(kw["q"], cache), None, atol=2e-5)  # (the failed plans left nothing behind)
+    r = pagedprefill.BatchPrefillWithRaggedKVCacheWrapper(kw["workspace_buffer"], "NHD")
+    i32 = dict(dtype=torch.int32)
+    with pytest.raises(ValueError, match="^o_indptr: expected offsets whose sequences' output rows do not overlap"):
+        r.plan(
+            torch.tensor([0, 3, 6], **i32),
+            torch.tensor([0, 4, 9], **i32),
+            2,
+            2,
+            32,
+            q_data_type=F32,
+            o_indptr=torch.tensor([0, 2, 5], **i32),
+        )
+
+
 def test_paged_plan_checks_seq_lens_against_the_pages():
     """FlashInfer plans its KV lengths from seq_lens where given: beside CSR pages they must be the
     pages' lengths (never ignored); fixed_split_size -1 or 0 is FlashInfer's "off"; rope_scale /

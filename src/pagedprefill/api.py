@@ -370,6 +370,8 @@ def plan(
             type(workspace_buffer).__name__,
         )
     device = workspace_buffer.device
+    if device.type not in ("cpu", "cuda"):  # (the plan runs where its workspace is)
+        raise fail("workspace_buffer", "a buffer on the CPU or a CUDA device (where the plan runs)", f"one on {device}")
     ws = normalise.check_workspace(workspace_buffer, device)
     hq = normalise.int_arg("num_qo_heads", num_qo_heads, 1)
     hkv = normalise.int_arg("num_kv_heads", num_kv_heads, 1)

@@ -215,9 +215,9 @@ class PrefillPlan:
         seq = self.seq
         if isinstance(q, Tensor) and q.dim() == 3 and q.shape[-1] != seq.head_dim_qk:  # (before k is held to q)
             raise fail("q", f"head dim {seq.head_dim_qk} (the plan's head_dim_qk)", q.shape[-1])
-        q, k, v, shape = normalise.layer_tensors(q, k, v, seq.page_size > 0)
-        if not normalise.same_device(q.device, self.device):
+        if isinstance(q, Tensor) and not normalise.same_device(q.device, self.device):  # (before k is held to q)
             raise fail("q", f"a tensor on the plan's device {self.device}", f"one on {q.device}")
+        q, k, v, shape = normalise.layer_tensors(q, k, v, seq.page_size > 0)
         if self.host_pages is not None:  # (page ids on the CPU are validated against the cache's pages)
             normalise.check_page_ids(self.host_pages, seq, shape.num_pages)
         o_dtype = normalise.resolve_out_dtype(q.dtype, self.o_data_type, out)
@@ -413,6 +413,8 @@ class PrefillPlan:
         """
         if return_lse is None:
             return_lse = self.default_return_lse
+        elif return_lse is not True and return_lse is not False:
+            normalise.bool_arg("return_lse", return_lse)
         if self.workspace is None:
             raise fail("workspace_buffer", "a workspace given to plan()", None)
         scales = (q_scale, k_scale, v_scale)

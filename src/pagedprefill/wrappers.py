@@ -148,6 +148,15 @@ def _all_or_nothing(plan):
     return planned
 
 
+def _renamed(e: ValueError, names: dict) -> ValueError:
+    """``e`` with its leading argument name (``name: expected ...``) as the caller wrote it, where
+    the wrapper passed that argument on under another name; else ``e`` itself."""
+    m = re.match(r"\w+", str(e))
+    if m is None or m.group(0) not in names:
+        return e
+    return ValueError(names[m.group(0)] + str(e)[m.end() :])
+
+
 class _Wrapper:
     _paged: bool
 
@@ -184,6 +193,7 @@ class _Wrapper:
         self._backend = backend
         self._buffers = {k: v for k, v in buffers.items() if v is not None}  # (the buffers given)
         self._plan: PrefillPlan | None = None
+        self._arg_names: dict[str, str] = {}  # (the library's argument -> the caller's, for errors)
         self._variant_plans: dict[tuple, PrefillPlan] = {}
         self._lse_rows: tuple[int, int] | Tensor | None = None  # (first, end) rows, or the device qo_indptr
         self._bounds: tuple[int, int] | None = None
@@ -316,11 +326,22 @@ class _Wrapper:
         kv_dt = _dtype("kv_data_type", args["kv_data_type"])
         self._dtypes = (q_dt, kv_dt if kv_dt is not None else q_dt)
 
-    def _make_plan(self, args: dict, qo_indptr, page_size, lens_q, max_q, max_kv, **vecs) -> None:
+    def _make_plan(self, args: dict, names: dict, qo_indptr, page_size, lens_q, max_q, max_kv, **vecs) -> None:
         """The :class:`~pagedprefill.PrefillPlan` of a ``plan`` call (``args``: its ``locals()``; token
-        offsets, FlashInfer's default scale 1 / sqrt(head_dim_qk)), and what its runs need beside it."""
+        offsets, FlashInfer's default scale 1 / sqrt(head_dim_qk)), and what its runs need beside it;
+        ``names``: the caller's name of each library argument made from one of theirs, for errors."""
         sm_scale = args["sm_scale"]
-        self._plan = api.plan(
+        try:
+            self._plan = self._api_plan(args, page_size, lens_q, max_q, max_kv, sm_scale, vecs)
+        except ValueError as e:
+            raise _renamed(e, names) from e
+        self._arg_names = names
+        self._variant_plans = {}
+        self._forwarded = {}
+        self._set_lse_rows(qo_indptr)
+
+    def _api_plan(self, args: dict, page_size, lens_q, max_q, max_kv, sm_scale, vecs: dict) -> PrefillPlan:
+        return api.plan(
             self._workspace,
             num_qo_heads=args["num_qo_heads"],
             num_kv_heads=args["num_kv_heads"],
@@ -341,9 +362,6 @@ class _Wrapper:
             disable_split_kv=args["disable_split_kv"],
             **vecs,
         )
-        self._variant_plans = {}
-        self._forwarded = {}
-        self._set_lse_rows(qo_indptr)
 
     def _set_lse_rows(self, qo_indptr: Tensor) -> None:
         """The rows a run's LSE covers, for the base-2 conversion of a caller's buffer: known on the
@@ -454,10 +472,10 @@ class _Wrapper:
                 sinks=sinks,
                 return_lse=bool(return_lse),
             )
-        except ValueError as e:  # (the cache's argument by the name the caller used)
+        except ValueError as e:  # (each argument by the name the caller used)
             msg = str(e)
             if not msg.startswith(("k_cache:", "v_cache:")):
-                raise
+                raise _renamed(e, self._arg_names) from e
             name = (lambda m: f"paged_kv_cache ({m[1]})") if self._paged else (lambda m: m[1])
             raise ValueError(re.sub(r"\b([kv])_cache\b", name, msg)) from e
         if not return_lse:
@@ -595,8 +613,18 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
                     kv_indices=self._graph_vector("paged_kv_indices", kv["kv_indices"]),
                     kv_last_page_len=self._graph_vector("paged_kv_last_page_len", kv["kv_last_page_len"]),
                 )
+        names = dict(
+            kv_indptr="paged_kv_indptr",
+            kv_indices="paged_kv_indices",
+            kv_last_page_len="paged_kv_last_page_len",
+            actual_seq_lens_kv="seq_lens",
+            actual_seq_lens_q="qo_indptr",
+            batch_offsets_q="qo_indptr",
+            batch_offsets_stats="qo_indptr",
+        )
         self._make_plan(
             locals(),
+            names,
             qo_indptr,
             page_size,
             lens_q,
@@ -803,7 +831,16 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
             offs.update(batch_offsets_q=qo, batch_offsets_k=kvp, batch_offsets_stats=qo)
             offs["batch_offsets_o"] = qo if o_indptr is None else offs["batch_offsets_o"]
             offs["batch_offsets_v"] = kvp if v_indptr is None else offs["batch_offsets_v"]
-        self._make_plan(locals(), qo, 0, lens_q, max_q, max_kv, actual_seq_lens_kv=lens_kv, **offs)
+        names = dict(
+            actual_seq_lens_q="qo_indptr",
+            actual_seq_lens_kv="kv_indptr",
+            batch_offsets_q="qo_indptr",
+            batch_offsets_o="o_indptr" if o_indptr is not None else "qo_indptr",
+            batch_offsets_k="kv_indptr",
+            batch_offsets_v="v_indptr" if v_indptr is not None else "kv_indptr",
+            batch_offsets_stats="qo_indptr",
+        )
+        self._make_plan(locals(), names, qo, 0, lens_q, max_q, max_kv, actual_seq_lens_kv=lens_kv, **offs)
         self._o_rows_own = o_indptr is not None
 
     begin_forward = plan
