@@ -334,7 +334,10 @@ class _Wrapper:
         try:
             self._plan = self._api_plan(args, page_size, lens_q, max_q, max_kv, sm_scale, vecs)
         except ValueError as e:
-            raise _renamed(e, names) from e
+            renamed = _renamed(e, names)
+            if renamed is e:
+                raise
+            raise renamed from e
         self._arg_names = names
         self._variant_plans = {}
         self._forwarded = {}
@@ -475,7 +478,10 @@ class _Wrapper:
         except ValueError as e:  # (each argument by the name the caller used)
             msg = str(e)
             if not msg.startswith(("k_cache:", "v_cache:")):
-                raise _renamed(e, self._arg_names) from e
+                renamed = _renamed(e, self._arg_names)
+                if renamed is e:
+                    raise
+                raise renamed from e
             name = (lambda m: f"paged_kv_cache ({m[1]})") if self._paged else (lambda m: m[1])
             raise ValueError(re.sub(r"\b([kv])_cache\b", name, msg)) from e
         if not return_lse:
