@@ -46,6 +46,7 @@ are filled only once the new plan has been made.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -148,13 +149,20 @@ def _all_or_nothing(plan):
     return planned
 
 
-def _renamed(e: ValueError, names: dict) -> ValueError:
-    """``e`` with its leading argument name (``name: expected ...``) as the caller wrote it, where
-    the wrapper passed that argument on under another name; else ``e`` itself."""
-    m = re.match(r"\w+", str(e))
-    if m is None or m.group(0) not in names:
-        return e
-    return ValueError(names[m.group(0)] + str(e)[m.end() :])
+@contextlib.contextmanager
+def _callers_names(names: dict):
+    """A ``ValueError`` about an argument the wrapper passed on under another name (its message
+    leading with ``name: expected ...``) names it, and every other such argument it mentions, as the
+    caller wrote them (``names``: the library's name -> the caller's)."""
+    try:
+        yield
+    except ValueError as e:
+        msg = str(e)
+        m = re.match(r"\w+", msg)
+        if m is None or m.group(0) not in names:
+            raise
+        words = r"\b(" + "|".join(map(re.escape, names)) + r")\b"
+        raise ValueError(re.sub(words, lambda w: names[w[1]], msg)) from e
 
 
 class _Wrapper:
@@ -331,40 +339,34 @@ class _Wrapper:
         offsets, FlashInfer's default scale 1 / sqrt(head_dim_qk)), and what its runs need beside it;
         ``names``: the caller's name of each library argument made from one of theirs, for errors."""
         sm_scale = args["sm_scale"]
-        try:
-            self._plan = self._api_plan(args, page_size, lens_q, max_q, max_kv, sm_scale, vecs)
-        except ValueError as e:
-            renamed = _renamed(e, names)
-            if renamed is e:
-                raise
-            raise renamed from e
-        self._arg_names = names
+        with _callers_names(names):
+            self._plan = api.plan(
+                self._workspace,
+                num_qo_heads=args["num_qo_heads"],
+                num_kv_heads=args["num_kv_heads"],
+                head_dim_qk=args["head_dim_qk"],
+                head_dim_vo=args["head_dim_vo"],
+                page_size=page_size,
+                actual_seq_lens_q=lens_q,
+                max_token_per_sequence=max_q,
+                max_sequence_kv=max_kv,
+                causal=args["causal"],
+                scale=sm_scale,  # (None: 1 / sqrt(head_dim_qk), once plan() has checked it)
+                window_left=args["window_left"],
+                logits_soft_cap=args["logits_soft_cap"] or 0.0,
+                batch_offsets_units="tokens",
+                o_data_type=_dtype("o_data_type", args["o_data_type"]),
+                is_cuda_graph_compatible=self._use_cuda_graph,
+                backend=self._backend,
+                disable_split_kv=args["disable_split_kv"],
+                **vecs,
+            )
+        # (the cache by the caller's name too: one (k, v) argument of the paged run, k and v of the ragged)
+        cache = {"k_cache": "paged_kv_cache (k)", "v_cache": "paged_kv_cache (v)"} if self._paged else {}
+        self._arg_names = {**names, "k_cache": "k", "v_cache": "v", **cache}
         self._variant_plans = {}
         self._forwarded = {}
         self._set_lse_rows(qo_indptr)
-
-    def _api_plan(self, args: dict, page_size, lens_q, max_q, max_kv, sm_scale, vecs: dict) -> PrefillPlan:
-        return api.plan(
-            self._workspace,
-            num_qo_heads=args["num_qo_heads"],
-            num_kv_heads=args["num_kv_heads"],
-            head_dim_qk=args["head_dim_qk"],
-            head_dim_vo=args["head_dim_vo"],
-            page_size=page_size,
-            actual_seq_lens_q=lens_q,
-            max_token_per_sequence=max_q,
-            max_sequence_kv=max_kv,
-            causal=args["causal"],
-            scale=sm_scale,  # (None: 1 / sqrt(head_dim_qk), once plan() has checked it)
-            window_left=args["window_left"],
-            logits_soft_cap=args["logits_soft_cap"] or 0.0,
-            batch_offsets_units="tokens",
-            o_data_type=_dtype("o_data_type", args["o_data_type"]),
-            is_cuda_graph_compatible=self._use_cuda_graph,
-            backend=self._backend,
-            disable_split_kv=args["disable_split_kv"],
-            **vecs,
-        )
 
     def _set_lse_rows(self, qo_indptr: Tensor) -> None:
         """The rows a run's LSE covers, for the base-2 conversion of a caller's buffer: known on the
@@ -462,7 +464,7 @@ class _Wrapper:
                 given = f"shape {tuple(lse.shape)}" if isinstance(lse, Tensor) else type(lse).__name__
                 raise fail("lse", f"a float32 tensor of shape (q rows, num_qo_heads) = ({q.shape[0]}, {hq})", given)
             lse_buf = lse
-        try:
+        with _callers_names(self._arg_names):
             o, lse_nat = p.run(
                 q,
                 k,
@@ -475,15 +477,6 @@ class _Wrapper:
                 sinks=sinks,
                 return_lse=bool(return_lse),
             )
-        except ValueError as e:  # (each argument by the name the caller used)
-            msg = str(e)
-            if not msg.startswith(("k_cache:", "v_cache:")):
-                renamed = _renamed(e, self._arg_names)
-                if renamed is e:
-                    raise
-                raise renamed from e
-            name = (lambda m: f"paged_kv_cache ({m[1]})") if self._paged else (lambda m: m[1])
-            raise ValueError(re.sub(r"\b([kv])_cache\b", name, msg)) from e
         if not return_lse:
             return o
         # FlashInfer's wrappers return base-2 LSEs; a caller's buffer keeps its rows that no sequence
