@@ -167,12 +167,32 @@ def test_plan_caps_the_chunk_at_every_pair(chunk, want):
         assert hp.HopperPlan(batch_of(case)).chunk == want  # (3 sequences x 2 KV heads)
 
 
+def test_merged_consumers_where_q_k_and_v_rows_are_one_part():
+    """The first two of three consumers run as one 8-warp partition at D 64 and 128 (16-bit, 8-bit K/V
+    or 8-bit q/k/v); not with a second part (D 96, Dqk 192, D 256) nor on two consumers; a knob decides
+    where it is set."""
+
+    def merged(**kw):
+        base = dict(lens_q=[700, 900], lens_kv=[1500, 2000], hq=8, hkv=2, dqk=128, page_size=16, dtype=F16)
+        return hp.config(batch_of(make_case(2, **{**base, **kw}))).merged
+
+    assert merged() == 1 and merged(dqk=64) == 1 and merged(kv_dtype=torch.float8_e4m3fn) == 1
+    assert merged(dqk=96) == 0 and merged(dqk=192, dvo=128) == 0 and merged(dqk=256) == 0
+    with tuning.override("hopper", consumers=2):
+        assert merged() == 0
+    with tuning.override("hopper", merged=0):
+        assert merged() == 0
+    with tuning.override("hopper", merged=1):
+        assert merged(dqk=96) == 1
+
+
 def test_config_picks_the_schedule_by_shape():
     """64-key tiles on three consumers at every page size (128 x 128 tiles on two consumers measured
     slower, or level, on pages of 64 and 128 too); static rounds for prompts of <= 1024 tokens and
     chunked prefill (max_kv >= 4 * max_q), the work counter elsewhere; a knob replaces the choice."""
-    static = dataclasses.replace(hp.DEFAULT, dynamic=0)
-    counter = dataclasses.replace(hp.DEFAULT, chunk=hp.DYNAMIC_CHUNK)  # (off the work counter)
+    # (D 64 and 128 on three consumers: the first two as one 8-warp partition, see merged_consumers)
+    static = dataclasses.replace(hp.DEFAULT, dynamic=0, merged=1)
+    counter = dataclasses.replace(hp.DEFAULT, chunk=hp.DYNAMIC_CHUNK, merged=1)  # (off the work counter)
 
     def cfg(**kw):
         base = dict(lens_q=[5, 48], lens_kv=[9, 60], hq=8, hkv=2, dqk=128, page_size=16, dtype=F16)
@@ -190,18 +210,18 @@ def test_config_picks_the_schedule_by_shape():
         assert cfg(lens_q=[1025], lens_kv=[2048]).chunk == 2
     # (the chunk follows the final schedule, a `dynamic` knob included)
     with tuning.override("hopper", dynamic=0):
-        assert cfg(lens_q=[1025], lens_kv=[2048]) == dataclasses.replace(hp.DEFAULT, dynamic=0)
+        assert cfg(lens_q=[1025], lens_kv=[2048]) == dataclasses.replace(hp.DEFAULT, dynamic=0, merged=1)
     with tuning.override("hopper", dynamic=1):
         assert cfg().chunk == hp.DYNAMIC_CHUNK and cfg().dynamic == 1
     fp8 = cfg(page_size=64, kv_dtype=torch.float8_e4m3fn)
     assert fp8.BLOCK_N == static.BLOCK_N and fp8.consumers == static.consumers
-    d256 = dataclasses.replace(static, **{**hp.D256, **hp.D256_SPLIT})  # (TMA-boxed pages: K released apart)
+    d256 = dataclasses.replace(static, merged=0, **{**hp.D256, **hp.D256_SPLIT})  # (TMA-boxed pages: K apart)
     assert cfg(dqk=256) == d256 and cfg(causal=False, dqk=256) == d256 and cfg(page_size=64, dqk=256) == d256
-    assert cfg(page_size=8, dqk=256) == dataclasses.replace(static, **hp.D256)
+    assert cfg(page_size=8, dqk=256) == dataclasses.replace(static, merged=0, **hp.D256)
     with tuning.override("hopper", chunk=2):
         assert cfg(page_size=64) == dataclasses.replace(static, chunk=2)
     with tuning.override("hopper", **TILES_128):
-        assert cfg(causal=False) == dataclasses.replace(static, **TILES_128)
+        assert cfg(causal=False) == dataclasses.replace(static, merged=0, **TILES_128)
     with tuning.override("hopper", wide=1), pytest.raises(ValueError, match="unknown Hopper knob 'wide'"):
         cfg()
 
@@ -212,8 +232,8 @@ def test_config_takes_two_consumers_where_192_row_blocks_would_be_padding():
     K/V at D 64, 96, 128 and Dqk 192, 8-bit K/V at D 96 and 128, ragged or in pages of >= 16 tokens (64
     and 128 included); never for D 256 (two consumers anyway), 8-bit K/V at other head dims, fp8 q, pages
     under 16 tokens, or under a ``consumers`` knob."""
-    static = dataclasses.replace(hp.DEFAULT, dynamic=0)
-    narrow = dataclasses.replace(static, **hp.NARROW)
+    static = dataclasses.replace(hp.DEFAULT, dynamic=0, merged=1)  # (D 64 / 128: see merged_consumers)
+    narrow = dataclasses.replace(static, merged=0, **hp.NARROW)
 
     def cfg(lq, **kw):
         base = dict(lens_q=[3, lq], lens_kv=[9, lq + 500], hq=8, hkv=2, dqk=128, page_size=16, dtype=F16)
@@ -225,7 +245,7 @@ def test_config_takes_two_consumers_where_192_row_blocks_would_be_padding():
     assert cfg(64, dqk=64) == narrow and cfg(96, dqk=64) == static
     d96 = cfg(64, dqk=96)
     assert (d96.consumers, d96.consumer_regs, d96.stages) == (2, hp.NARROW["consumer_regs"], hp.D96_STAGES)
-    assert cfg(64, dqk=192, dvo=128) == narrow and cfg(96, dqk=192, dvo=128) == static
+    assert cfg(64, dqk=192, dvo=128) == narrow and cfg(96, dqk=192, dvo=128) == dataclasses.replace(static, merged=0)
     assert cfg(64, kv_dtype=torch.float8_e4m3fn) == narrow and cfg(96, kv_dtype=torch.float8_e4m3fn) == static
     assert cfg(64, kv_dtype=torch.float8_e4m3fn, dqk=96).consumers == 2  # (8-bit K/V at D 96: measured)
     assert cfg(64, kv_dtype=torch.float8_e4m3fn, dqk=64).consumers == 3  # (8-bit K/V at D 64: level)
@@ -251,7 +271,8 @@ def test_sibling_is_the_other_consumer_count_where_lengths_may_pick_it():
     cfg = hp.config(b)
     sib = hp.sibling(b, cfg)
     assert cfg.consumers == 3 and (sib.consumers, sib.consumer_regs) == (2, hp.NARROW["consumer_regs"])
-    assert dataclasses.replace(sib, consumers=3, consumer_regs=cfg.consumer_regs) == cfg  # (nothing else)
+    # (nothing else)
+    assert dataclasses.replace(sib, consumers=3, consumer_regs=cfg.consumer_regs, merged=cfg.merged) == cfg
     back = hp.sibling(b, sib)
     assert back == cfg
     for other in (dict(page_size=0), dict(page_size=32), dict(page_size=64), dict(page_size=128), dict(dqk=64)):

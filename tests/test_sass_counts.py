@@ -93,3 +93,13 @@ def test_widened_8_bit_tiles_at_d64_come_from_one_issuing_warp(tmp_path):
     assert count(alone[1], "BAR") == 0 and count(alone[1], "LDGSTS") == 0, res.stdout
     assert count(alone[1], "UTMALDG") >= 2, res.stdout
     assert count(step[1], "LDGSTS") > 0 and count(step[1], "BAR") > 0, res.stdout
+
+
+def test_consumer_key_loops_hold_no_partition_barrier(tmp_path):
+    """The consumers' key loop keeps no ``BAR.SYNC``: each thread releases its ring stages by its own
+    arrive, and the one Triton puts before the marked wait on a full stage is dropped (sync.py), in the
+    8-warp consumer partition (D 64 / 128) and in 4-warp ones (D 96, two consumers)."""
+    res = _compile_specs(tmp_path, "d64", "d128", "d96", "kv8", "d128:merged=0")
+    for line in res.stdout.splitlines():
+        loop = line.split("key loop")[1].split("|")[0]
+        assert count(loop, "BAR") == 0 and count(loop, "HGMMA") > 0, res.stdout

@@ -59,6 +59,9 @@ class Config:
     # 1: row sums by a wgmma of P against a block of ones (the kernel's ROWSUM), 0: by each thread's FADDs;
     # -1: as `tensor_row_sums` decides
     rowsum: int = -1
+    # 1: the first two consumer warpgroups run as one partition of 8 warps (one copy of their code; see
+    # hopper_kernel/sync.py for why they need not meet at every key tile); -1: as `merged_consumers` decides
+    merged: int = -1
 
     @property
     def BLOCK_M(self) -> int:
@@ -291,6 +294,16 @@ def share_bytes(batch: PrefillBatch, cfg: Config, tail: int, shares: int) -> int
     return 4 * (hk.PART_OFFSET.value + rows * (batch.head_dim_vo + 1) + tail * hk.HEADER_INTS.value)
 
 
+def merged_consumers(batch: PrefillBatch, cfg: Config) -> bool:
+    """Whether the first two of three consumer warpgroups run as one 8-warp partition: where Q, K and V
+    rows are one part each (D 64 and 128). On an H100 (`bench/results/h100-ab.log` §19, source trees
+    timed in order and reversed), against three 4-warp partitions: d64_b16_q2k +2 to +4%, fp8kv_b8_q2k
+    +6%, short_b256_q64_p512 +1.5%, llama8b_b4_q4k, the 16k prefill and fp8_b2_q8k level; with a second
+    part (D 96, Dqk 192) -2 to -3% and on two consumers (D 256) -2%, which keep their own partitions."""
+    one_part = all(first_part(d) == d for d in (batch.head_dim_qk, batch.head_dim_vo))
+    return cfg.consumers == 3 and one_part
+
+
 def config(batch: PrefillBatch) -> Config:
     """``DEFAULT`` (``NARROW`` where :func:`prefers_narrow` or :func:`few_tiles` says so), ``F8_STAGES``
     ring stages with 8-bit q (``D96_STAGES`` at D 96), and static rounds (``dynamic=0``) for short
@@ -319,6 +332,8 @@ def config(batch: PrefillBatch) -> Config:
     if "consumers" in over and "consumer_regs" not in over and over["consumers"] in CONSUMER_REGS:
         over["consumer_regs"] = CONSUMER_REGS[over["consumers"]]
     cfg = replace(base, **over)
+    if cfg.merged == -1:
+        cfg = replace(cfg, merged=int(merged_consumers(batch, cfg)))
     if cfg.dynamic and "chunk" not in over:
         cfg = replace(cfg, chunk=DYNAMIC_CHUNK)
     why = None
@@ -345,6 +360,8 @@ def config(batch: PrefillBatch) -> Config:
         why = f"dynamic must be 0 or 1, got {cfg.dynamic}"
     elif cfg.split not in (0, 1):
         why = f"split must be 0 or 1, got {cfg.split}"
+    elif cfg.merged not in (0, 1):
+        why = f"merged must be -1, 0 or 1, got {cfg.merged}"
     elif cfg.rowsum not in (-1, 0, 1):
         why = f"rowsum must be -1, 0 or 1, got {cfg.rowsum}"
     elif cfg.rowsum == 1 and batch.fp8_q:
@@ -366,8 +383,10 @@ def sibling(batch: PrefillBatch, cfg: Config) -> Config | None:
     if tuning.knobs("hopper") or not _narrow_layout(batch):
         return None
     if cfg.consumers == DEFAULT.consumers:
-        return replace(cfg, **NARROW)
-    return replace(cfg, consumers=DEFAULT.consumers, consumer_regs=DEFAULT.consumer_regs)
+        sib = replace(cfg, **NARROW)
+    else:
+        sib = replace(cfg, consumers=DEFAULT.consumers, consumer_regs=DEFAULT.consumer_regs)
+    return replace(sib, merged=int(merged_consumers(batch, sib)))
 
 
 def _tma_view(t: torch.Tensor, batch: PrefillBatch, box_rows: int, d: int):
@@ -750,8 +769,9 @@ class HopperPlan:
             SPLIT=bool(cfg.split) and _k16_by_tma(batch, use_tma),
             ROWSUM=tensor_row_sums(batch, cfg),
             ISSUER=alone,
+            MERGED=bool(cfg.merged),
             **(self._vector_mode[1] if self._vector_mode else _TABLE_MODE),
-            num_warps=4,
+            num_warps=8 if cfg.merged else 4,
         )
 
     def launches(self, t: CallTensors) -> list:

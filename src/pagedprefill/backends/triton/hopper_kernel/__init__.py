@@ -11,7 +11,9 @@ How it works (``docs/design.md`` has the reasons and ``docs/decisions.md`` what 
 * Each program is split into partitions (``gl.warp_specialize``): the load warps fill a ring of
   ``STAGES`` K/V tiles (bulk-tensor copies for tiles wholly below ``kv_len``, a zero-filling
   ``cp.async`` gather otherwise) and copy each item's Q by TMA; ``NC`` consumer warpgroups of 64
-  rows each run ``S_j = Q K_j^T`` as an asynchronous wgmma beside the rescale of O and
+  rows each (at D 64 and 128 the first two as one 8-warp partition, ``Geometry.MERGED``: one copy of
+  their code; ``sync`` keeps them from meeting at every key tile) run ``S_j = Q K_j^T`` as an
+  asynchronous wgmma beside the rescale of O and
   ``O += P_{j-1} V_{j-1}``, so the softmax of tile j overlaps the PV GEMM of tile j-1.
 * Causal consumers walk key tiles only up to their own rows' diagonal and release the rest unread.
 * Static rounds whose last round would leave most programs idle split that round's items by keys
@@ -26,13 +28,15 @@ memory and its barriers), :class:`KVSource` (where K/V rows are in global memory
 Files by concern: ``geometry`` (shape, work item), ``schedule`` (dealing items), ``buffers`` (shared
 memory rings), ``loads`` (the load partition, TMA / cp.async, 8-bit widening), ``softmax`` (the
 online softmax and O's lazy rescale), ``consumer`` (the consumer partition and epilogue), ``kernel``
-(the entry), ``merge`` (the shares' merge), ``rows`` (a sequence's lengths and starts: the metadata
+(the entry), ``merge`` (the shares' merge), ``sync`` (waits without a partition barrier: a PTX
+pass), ``rows`` (a sequence's lengths and starts: the metadata
 table's, or computed from the device vectors in place of the table).
 
 Lengths, offsets and page ids are read on the device; page ids are clamped; rows with no visible
 key get out 0 and lse -inf.
 """
 
+from . import sync  # noqa: F401  (installs the PTX pass of sync.wait_unsynced)
 from .kernel import BOUND_ARGS, VECTOR_ARGS, attention_kernel
 from .merge import HEADER_INTS, PART_OFFSET, share_merge_kernel
 

@@ -69,20 +69,35 @@ class Staging:
 @aggregate
 class QSlots:
     """Each consumer's Q rows in shared memory (and its O rows on the way out, O_STAGE), with the
-    barriers of their TMA copies (Q_TMA)."""
+    barriers of their TMA copies (Q_TMA). The first two warpgroups' rows are one [128, D] buffer (one
+    8-warp partition reads it whole, ``Geometry.MERGED``), a third one's its own [64, D] (a buffer's
+    rows are a power of two)."""
 
-    q: gl.shared_memory_descriptor  # [NC, 64, DQ0]
-    q1: gl.shared_memory_descriptor  # [NC, 64, DQ1] (DQ1 > 0), else q
+    q: gl.shared_memory_descriptor  # [64 * min(NC, 2), DQ0]: rows 0-127
+    q3: gl.shared_memory_descriptor  # NC == 3: [64, DQ0], rows 128-191; else q
+    q1: gl.shared_memory_descriptor  # [64 * min(NC, 2), DQ1] (DQ1 > 0), else q
+    q13: gl.shared_memory_descriptor  # NC == 3 and DQ1 > 0: [64, DQ1]; else q1
     full: gl.shared_memory_descriptor
     empty: gl.shared_memory_descriptor
     f: gl.shared_memory_descriptor  # KV8: [4 * 64] float32, each row's power of two (see _prep_q)
     ones: gl.shared_memory_descriptor  # [8, BLOCK_N] ones in the GEMMs' dtype: the row sums' B operand
 
     @gluon.constexpr_function
-    def __init__(self, q, q1, full, empty, f, ones):
+    def __init__(self, q, q3, q1, q13, full, empty, f, ones):
         self.q = q
+        self.q3 = q3
         self.q1 = q1
+        self.q13 = q13
         self.full = full
         self.empty = empty
         self.f = f
         self.ones = ones
+
+
+@gluon.jit
+def q_rows(pair, third, R0: gl.constexpr, ROWS: gl.constexpr):
+    """Rows [R0, R0 + ROWS) of Q's slots (``pair``: rows 0-127, ``third``: 128-191)."""
+    if R0 >= 128:
+        return third
+    else:
+        return pair.slice(R0, ROWS)

@@ -14,12 +14,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.core import _aggregate as aggregate
 
-from .buffers import KVRing, QSlots
+from .buffers import KVRing, QSlots, q_rows
 from .geometry import Geometry, WorkItem, _key_range, _window_range
 from .loads import _chunk_layout
 from .merge import HEADER_INTS
 from .schedule import Schedule
 from .softmax import _quad_sums, _rescale, _softmax
+from .sync import wait_unsynced
 
 
 @aggregate
@@ -86,14 +87,21 @@ def _qk_async(q_sub, q1_sub, k_buf, k1_buf, s_zero, DQ1: gl.constexpr):
 
 @gluon.jit
 def _q_cols_async(
-    buf, w: WorkItem, out: OutSink, R0: gl.constexpr, geo: Geometry, C0: gl.constexpr, NCOL: gl.constexpr
+    buf,
+    w: WorkItem,
+    out: OutSink,
+    R0: gl.constexpr,
+    ROWS: gl.constexpr,
+    geo: Geometry,
+    C0: gl.constexpr,
+    NCOL: gl.constexpr,
 ):
     """cp.async copies of columns [C0, C0 + NCOL) of work item w's Q rows [row0 + R0, row0 + R0 +
-    SUB_M) into buf; rows past the sequence zero-filled."""
+    ROWS) into buf; rows past the sequence zero-filled."""
     GROUP: gl.constexpr = geo.GROUP
     VQ: gl.constexpr = 128 // out.Q.dtype.element_ty.primitive_bitwidth  # (16-byte chunks)
-    LD: gl.constexpr = gl.BlockedLayout([1, VQ], [32 // (NCOL // VQ), NCOL // VQ], [4, 1], [1, 0])
-    rows = w.row0 + R0 + gl.arange(0, geo.SUB_M, gl.SliceLayout(1, LD))
+    LD: gl.constexpr = gl.BlockedLayout([1, VQ], [32 // (NCOL // VQ), NCOL // VQ], [ROWS // 16, 1], [1, 0])
+    rows = w.row0 + R0 + gl.arange(0, ROWS, gl.SliceLayout(1, LD))
     tok = rows // GROUP
     head = w.kv_head * GROUP + rows % GROUP
     off = (w.q_start + tok).to(gl.int64) * out.stride_qt + head.to(gl.int64) * out.stride_qh
@@ -178,28 +186,26 @@ def _v_operand(v_buf, F8: gl.constexpr):
 
 
 @gluon.constexpr_function
-def _prep_rows(dq0, dq1):
+def _prep_rows(dq0, dq1, warps):
     """Rows of Q converted at a time: 16, or as many as the narrower part's layout covers."""
     narrow = min(dq0, dq1) if dq1 else dq0
-    return max(16, 4 * (32 // (narrow // 8)))
+    return max(16, warps * (32 // (narrow // 8)))
 
 
 @gluon.jit
-def _prep_q(q_sub, q1_sub, f_buf, sign, geo: Geometry):
+def _prep_q(q_sub, q1_sub, h0, h1, f_buf, sign, ROWS: gl.constexpr, geo: Geometry):
     """KV8: this warpgroup's Q rows, in q's 16-bit dtype, -> float16 in place (the GEMMs' dtype: the
     8-bit K/V widen to it in one instruction per pair), each row times ``sign`` and a power of two
     2^k that puts its largest magnitude in [2^14, 2^15): exact, since bf16's 8-bit significands fit
     fp16's 11 wherever fp16 is normal, and a row's entries under 2^-28 of its largest are all fp16
-    loses. Each row's 2^-k goes to f_buf."""
+    loses. Each row's 2^-k goes to f_buf. h0 / h1: the same rows viewed as float16."""
     DQ0: gl.constexpr = geo.DQ0
     DQ1: gl.constexpr = geo.DQ1
-    RCH: gl.constexpr = _prep_rows(DQ0, DQ1)
-    L0: gl.constexpr = _chunk_layout(DQ0, 8, 4)
-    h0 = q_sub._reinterpret(gl.float16, q_sub.shape, q_sub.layout)
+    RCH: gl.constexpr = _prep_rows(DQ0, DQ1, ROWS // 16)
+    L0: gl.constexpr = _chunk_layout(DQ0, 8, ROWS // 16)
     if DQ1 > 0:
-        L1: gl.constexpr = _chunk_layout(DQ1, 8, 4)
-        h1 = q1_sub._reinterpret(gl.float16, q1_sub.shape, q1_sub.layout)
-    for r in gl.static_range(geo.SUB_M // RCH):
+        L1: gl.constexpr = _chunk_layout(DQ1, 8, ROWS // 16)
+    for r in gl.static_range(ROWS // RCH):
         x = q_sub.slice(r * RCH, RCH).load(L0).to(gl.float32)
         amax = gl.max(gl.abs(x), 1)
         if DQ1 > 0:
@@ -216,24 +222,41 @@ def _prep_q(q_sub, q1_sub, f_buf, sign, geo: Geometry):
 
 
 @gluon.jit
+def _as_f16(buf):
+    """``buf`` viewed as float16 (KV8: the slots after _prep_q)."""
+    return buf._reinterpret(gl.float16, buf.shape, buf.layout)
+
+
+@gluon.jit
+def _release(ring: KVRing, i):
+    """Hand ring stage (barrier) i back to the load warps: every consumer thread arrives once its own
+    GEMMs on it are done (no partition barrier before one elected arrive)."""
+    async_copy.mbarrier_arrive(ring.empty.index(i), increment_count=False)
+
+
+@gluon.jit
 def _skip_tile(ring: KVRing, u, geo: Geometry):
     """Release the program's u-th key tile unread (in ring order, so that the phases stay in step)."""
     STAGES: gl.constexpr = geo.STAGES
     mbarrier.wait(ring.full.index(u % STAGES), (u // STAGES) & 1)
-    mbarrier.arrive(ring.empty.index(u % STAGES))
+    _release(ring, u % STAGES)
     if geo.SPLIT:
         mbarrier.wait(ring.full.index(STAGES + u % STAGES), (u // STAGES) & 1)
-        mbarrier.arrive(ring.empty.index(STAGES + u % STAGES))
+        _release(ring, STAGES + u % STAGES)
 
 
 @gluon.jit
-def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSink, R0: gl.constexpr, geo: Geometry):
-    """One consumer warpgroup: rows [row0 + R0, row0 + R0 + SUB_M) of each work item's block."""
+def _consumer_partition(
+    sched: Schedule, ring: KVRing, slots: QSlots, out: OutSink, R0: gl.constexpr, ROWS: gl.constexpr, geo: Geometry
+):
+    """One consumer partition of ROWS // 16 warps (a warpgroup, or two with ``Geometry.MERGED``): rows
+    [row0 + R0, row0 + R0 + ROWS) of each work item's block, 16 a warp."""
     GROUP: gl.constexpr = geo.GROUP
     DQ1: gl.constexpr = geo.DQ1
     DV0: gl.constexpr = geo.DV0
     DV1: gl.constexpr = geo.DV1
-    SUB_M: gl.constexpr = geo.SUB_M
+    SUB_M: gl.constexpr = ROWS
+    CW: gl.constexpr = ROWS // 16  # (the partition's warps)
     BLOCK_N: gl.constexpr = geo.BLOCK_N
     STAGES: gl.constexpr = geo.STAGES
     CAUSAL: gl.constexpr = geo.CAUSAL
@@ -264,28 +287,30 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
     Q_EARLY: gl.constexpr = geo.Q_TMA and geo.O_STAGE != 1
     KI: gl.constexpr = 256 // dtype.primitive_bitwidth  # (a wgmma's K: 32 bytes)
     KW: gl.constexpr = 32 // dtype.primitive_bitwidth  # (A-operand elements per register)
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, KI])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV0, KI])
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CW, 1], instr_shape=[16, BLOCK_N, KI])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CW, 1], instr_shape=[16, DV0, KI])
     P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=KW)
     if DV1 > 0:  # (O in two accumulators, DV0 + DV1 columns, one PV GEMM each)
-        O1_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV1, KI])
+        O1_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CW, 1], instr_shape=[16, DV1, KI])
         P1_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O1_L, k_width=KW)
         O1_E: gl.constexpr = O1_L
     else:  # (the epilogue's second accumulator layout: unused)
         O1_E: gl.constexpr = O_L
     # ROWSUM: the row sums' accumulator, [SUB_M, 8] (its 8 columns alike), and P as its A operand
-    L_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, KI])
+    L_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CW, 1], instr_shape=[16, 8, KI])
     PL_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_L, k_width=KW)
     # (wgmma groups issued after a tile's QK GEMM: its PV GEMMs and the row sums')
     AFTER_QK: gl.constexpr = (2 if DV1 > 0 else 1) + (1 if geo.ROWSUM else 0)
-    q_sub = slots.q.index(R0 // SUB_M)
+    q_sub = q_rows(slots.q, slots.q3, R0, ROWS)
     if DQ1 > 0:
-        q1_sub = slots.q1.index(R0 // SUB_M)
+        q1_sub = q_rows(slots.q1, slots.q13, R0, ROWS)
     else:
         q1_sub = q_sub
     if geo.KV8:  # (the GEMMs read the slot as float16, see _prep_q)
-        qg_sub = q_sub._reinterpret(gl.float16, q_sub.shape, q_sub.layout)
-        qg1_sub = q1_sub._reinterpret(gl.float16, q1_sub.shape, q1_sub.layout)
+        # (whole buffers reinterpreted, then sliced: a reinterpreted slice loses its buffer's row count,
+        # which places the second 128-byte column block of a row)
+        qg_sub = q_rows(_as_f16(slots.q), _as_f16(slots.q3), R0, ROWS)
+        qg1_sub = q_rows(_as_f16(slots.q1), _as_f16(slots.q13), R0, ROWS)
         f_buf = slots.f.slice(R0, SUB_M)
         qk_r = gl.full([SUB_M], 1.0, gl.float32, gl.SliceLayout(1, S_L)) * qk_scale  # (set per item)
         qk_e = qk_r[:, None]
@@ -296,7 +321,7 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
         qk_r = qk_scale
     c = gl.program_id(0) * 0  # key tiles this program has consumed so far
     r = gl.program_id(0) * 0  # rounds (items) so far
-    item = sched.take(r)
+    item = sched.take(r, CW)
     while sched.more(item, r):
         w = sched.work_item(item, geo, geo.HAS_LSE)
         # this warpgroup's Q rows -> its own slot, once all its warps are past the previous item's GEMMs
@@ -306,15 +331,15 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
             mbarrier.wait(slots.full, r & 1)
         else:
             gl.thread_barrier()
-            _q_cols_async(q_sub, w, out, R0, geo, 0, geo.DQ0)
+            _q_cols_async(q_sub, w, out, R0, ROWS, geo, 0, geo.DQ0)
             if DQ1 > 0:
-                _q_cols_async(q1_sub, w, out, R0, geo, geo.DQ0, DQ1)
+                _q_cols_async(q1_sub, w, out, R0, ROWS, geo, geo.DQ0, DQ1)
             async_copy.commit_group()
             async_copy.wait_group(0)
             fence_async_shared()
             gl.thread_barrier()
         if geo.KV8:
-            _prep_q(q_sub, q1_sub, f_buf, sign, geo)
+            _prep_q(q_sub, q1_sub, qg_sub, qg1_sub, f_buf, sign, ROWS, geo)
             fence_async_shared()
             gl.thread_barrier()
             qk_r = qk_scale * f_buf.load(gl.SliceLayout(1, S_L))
@@ -372,7 +397,7 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
             s_tok = _qk_async(qg_sub, qg1_sub, ring.k.index(s0), ring.k1.index(s0), s_zero, DQ1)
             sc = warpgroup_mma_wait(0, deps=[s_tok])
             if geo.SPLIT:
-                mbarrier.arrive(ring.empty.index(s0))
+                _release(ring, s0)
             if Q_EARLY:
                 if n_walk == t_own + 1:
                     mbarrier.arrive(slots.empty)
@@ -398,7 +423,7 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
         prev = (u - 1) % STAGES
         ph_prev = ((u - 1) // STAGES) & 1
         for t in range(t_own + 1, n_walk):
-            mbarrier.wait(ring.full.index(s), ph)
+            wait_unsynced(ring.full.index(s), ph)  # (the loop writes no shared memory: see sync)
             if not geo.USE_TMA:
                 fence_async_shared()
             # S_t = Q K_t^T in flight while O is rescaled for tile t-1 (off the path from the PV
@@ -425,7 +450,7 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
                 l_tok = o_tok
             sc = warpgroup_mma_wait(AFTER_QK, deps=[s_tok])  # (the QK GEMMs: issued before the others)
             if geo.SPLIT:
-                mbarrier.arrive(ring.empty.index(s))
+                _release(ring, s)
             if Q_EARLY:
                 if t == n_walk - 1:
                     mbarrier.arrive(slots.empty)
@@ -447,7 +472,7 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
             if DV1 > 0:
                 alpha1 = gl.convert_layout(alpha_s, gl.SliceLayout(1, O1_L))
             acc, acc1, lacc = _pv_wait(o_tok, o1_tok, l_tok, acc1, lacc, DV1 > 0, geo.ROWSUM)
-            mbarrier.arrive(ring.empty.index(STAGES + prev if geo.SPLIT else prev))
+            _release(ring, STAGES + prev if geo.SPLIT else prev)
             p_op = _p_operand(p, P_L, dtype, geo.F8)
             if DV1 > 0:
                 p_op1 = _p_operand(p, P1_L, dtype, geo.F8)
@@ -477,7 +502,7 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
             else:
                 l_tok = o_tok
             acc, acc1, lacc = _pv_wait(o_tok, o1_tok, l_tok, acc1, lacc, DV1 > 0, geo.ROWSUM)
-            mbarrier.arrive(ring.empty.index(STAGES + last if geo.SPLIT else last))
+            _release(ring, STAGES + last if geo.SPLIT else last)
         if CAUSAL:  # tiles past this warpgroup's last key: released unread, in ring order
             for t in range(n_walk, w.n_tiles):
                 _skip_tile(ring, c + t - t_lo, geo)
@@ -508,14 +533,14 @@ def _consumer_partition(sched: Schedule, ring: KVRing, slots: QSlots, out: OutSi
         else:  # (unused)
             acc1_e = acc
         if w.share >= 0:  # a share of a split item: its float32 rows, merged after the kernel
-            _store_share(acc, acc1_e, inv_l, lse2, w, sched, R0, geo, O_L, O1_E, S_L)
+            _store_share(acc, acc1_e, inv_l, lse2, w, sched, R0, ROWS, geo, O_L, O1_E, S_L)
             if geo.O_STAGE == 1:
                 if geo.Q_TMA:  # (the slot goes back to the load warps: no O staged through it)
                     mbarrier.arrive(slots.empty)
         else:
-            _store_rows(acc, acc1_e, inv_l, lse2, rows_s, tok_s, w, slots, out, q_sub, R0, geo, O_L, O1_E)
+            _store_rows(acc, acc1_e, inv_l, lse2, rows_s, tok_s, w, slots, out, q_sub, R0, ROWS, geo, O_L, O1_E)
         r += 1
-        item = sched.take(r)
+        item = sched.take(r, CW)
 
 
 @gluon.jit
@@ -527,6 +552,7 @@ def _store_share(
     w: WorkItem,
     sched: Schedule,
     R0: gl.constexpr,
+    ROWS: gl.constexpr,
     geo: Geometry,
     O_L: gl.constexpr,
     O1_L: gl.constexpr,
@@ -537,7 +563,7 @@ def _store_share(
     output and LSE offsets, q_len, KV head and first row) from the first share's first warpgroup."""
     DVO: gl.constexpr = geo.DVO
     DV0: gl.constexpr = geo.DV0
-    SUB_M: gl.constexpr = geo.SUB_M
+    SUB_M: gl.constexpr = ROWS
     n_tail = sched.n_bh * sched.num_m_blocks - sched.tail_base
     n_rows = n_tail * sched.shares * geo.BLOCK_M
     first = (w.tail * sched.shares + w.share) * geo.BLOCK_M + R0
@@ -554,7 +580,7 @@ def _store_share(
     gl.store(sched.part + n_rows * DVO + rows_s, lse2)
     if R0 == 0:
         if w.share == 0:
-            HL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+            HL: gl.constexpr = gl.BlockedLayout([1], [32], [ROWS // 16], [0])
             i = gl.arange(0, HEADER_INTS, HL)
             hd = gl.where(i == 0, w.o_start, gl.where(i == 1, w.lse_start, gl.where(i == 2, w.q_len, 0)))
             hd = gl.where(i == 3, w.kv_head, gl.where(i == 4, w.row0, hd))
@@ -575,6 +601,7 @@ def _store_rows(
     out: OutSink,
     q_sub,
     R0: gl.constexpr,
+    ROWS: gl.constexpr,
     geo: Geometry,
     O_L: gl.constexpr,
     O1_L: gl.constexpr,
@@ -585,7 +612,7 @@ def _store_rows(
     DVO: gl.constexpr = geo.DVO
     DV0: gl.constexpr = geo.DV0
     DV1: gl.constexpr = geo.DV1
-    SUB_M: gl.constexpr = geo.SUB_M
+    SUB_M: gl.constexpr = ROWS
     Out = out.Out
     o = (acc * gl.convert_layout(inv_l, gl.SliceLayout(1, O_L))[:, None]).to(Out.dtype.element_ty)
     if geo.O_STAGE == 1:
@@ -596,7 +623,7 @@ def _store_rows(
         q_sub.store(o)
         gl.thread_barrier()
         TPW_D: gl.constexpr = DVO // 8
-        ST_L: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [4, 1], [1, 0])
+        ST_L: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [ROWS // 16, 1], [1, 0])
         o_st = q_sub.load(ST_L)
         if geo.Q_TMA:  # (the slot goes back to the load warps; arrive syncs the group)
             fence_async_shared()  # (O's generic-proxy writes before the next Q's TMA writes)

@@ -21,6 +21,9 @@ class Geometry:
     DV1: gl.constexpr  # V / O columns after them (Dvo 96: 32), else 0
     SUB_M: gl.constexpr  # rows per consumer warpgroup
     NC: gl.constexpr  # consumer warpgroups
+    MERGED: gl.constexpr  # the first two consumer warpgroups as one partition of 8 warps (rows 0-127):
+    # one copy of their code where Gluon outlines each partition apart (instruction fetch)
+    NP: gl.constexpr  # consumer partitions (each arrives once on the consumers' barriers)
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
     STAGES: gl.constexpr
@@ -84,6 +87,7 @@ class Geometry:
         SPLIT,
         ROWSUM,
         ISSUER,
+        MERGED,
     ):
         self.GROUP = gl.constexpr(GROUP)
         self.PAGE_SIZE = gl.constexpr(PAGE_SIZE)
@@ -95,6 +99,8 @@ class Geometry:
         self.DV1 = gl.constexpr(DVO - (64 if DVO == 96 else DVO))
         self.SUB_M = gl.constexpr(64)
         self.NC = gl.constexpr(NC)
+        self.MERGED = gl.constexpr(MERGED)
+        self.NP = gl.constexpr(NC - 1 if MERGED else NC)
         self.BLOCK_M = gl.constexpr(64 * NC)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.STAGES = gl.constexpr(STAGES)

@@ -150,16 +150,18 @@ def attention_kernel(
     UNIT_K: gl.constexpr,
     UNIT_V: gl.constexpr,
     UNIT_S: gl.constexpr,
+    MERGED: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each; the kernel's own
-    num_warps (4) are the first consumer. The ``num_kv_heads * batch_size * num_m_blocks`` work
-    items are dealt to a persistent grid (see :class:`Schedule`), those from ``tail_base`` on as
-    ``shares`` pieces each; COUNTER is the stream's work counter (``dynamic``: zero at the launch,
-    and zero again when it ends), or the backend's scratch, where the pieces' partials lie (from
-    float32 element 64 on). ``VECTORS``: each sequence's lengths and starts come from the device
-    vectors LQ .. LP under the bounds after them (see :class:`.rows.SequenceRows`; the modes CSR,
-    HAS_OO, HAS_OV, LSE_MODE and the offsets' units UNIT_*), not from META; without it those arguments are None."""
+    """LOAD_WARPS load warps feed NC consumer warpgroups of 64 rows each; the kernel's own num_warps are
+    the first consumer partition (4 warps, or with MERGED 8: the first two warpgroups). The
+    ``num_kv_heads * batch_size * num_m_blocks`` work items are dealt to a persistent grid (see
+    :class:`Schedule`), those from ``tail_base`` on as ``shares`` pieces each; COUNTER is the stream's
+    work counter (``dynamic``: zero at the launch, and zero again when it ends), or the backend's
+    scratch, where the pieces' partials lie (from float32 element 64 on). ``VECTORS``: each sequence's
+    lengths and starts come from the device vectors LQ .. LP under the bounds after them (see
+    :class:`.rows.SequenceRows`; the modes CSR, HAS_OO, HAS_OV, LSE_MODE and the offsets' units UNIT_*),
+    not from META; without it those arguments are None."""
     geo = Geometry(
         GROUP,
         PAGE_SIZE,
@@ -189,6 +191,7 @@ def attention_kernel(
         SPLIT,
         ROWSUM,
         ISSUER,
+        MERGED,
     )
     gl.static_assert(not ISSUER or (USE_TMA and not F8), "ISSUER needs 16-bit or widened 8-bit K/V by TMA")
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -200,17 +203,26 @@ def attention_kernel(
 
     # the GEMMs' inputs: q's dtype; with 8-bit K/V float16 (see _prep_q)
     cdt: gl.constexpr = gl.float16 if geo.KV8 else dtype
-    q_smem = gl.allocate_shared_memory(dtype, [NC, geo.SUB_M, geo.DQ0], SMEM)
+    q_smem = gl.allocate_shared_memory(dtype, [min(NC, 2) * geo.SUB_M, geo.DQ0], SMEM)  # (see QSlots)
+    if NC == 3:
+        q3_smem = gl.allocate_shared_memory(dtype, [geo.SUB_M, geo.DQ0], SMEM)
+    else:  # (unused)
+        q3_smem = q_smem
     k_smem = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, geo.DQ0], SMEM)
     if F8:  # V transposed (keys contiguous): 8-bit wgmmas take K-major B operands only
         v_smem = gl.allocate_shared_memory(cdt, [STAGES, geo.DV0, BLOCK_N], _layout(BLOCK_N, 8))
     else:
         v_smem = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, geo.DV0], SMEM)
     if geo.DQ1 > 0:
-        q1_smem = gl.allocate_shared_memory(dtype, [NC, geo.SUB_M, geo.DQ1], SMEM1)
+        q1_smem = gl.allocate_shared_memory(dtype, [min(NC, 2) * geo.SUB_M, geo.DQ1], SMEM1)
+        if NC == 3:
+            q13_smem = gl.allocate_shared_memory(dtype, [geo.SUB_M, geo.DQ1], SMEM1)
+        else:  # (unused)
+            q13_smem = q1_smem
         k1_smem = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, geo.DQ1], SMEM1)
     else:  # (unused)
         q1_smem = q_smem
+        q13_smem = q_smem
         k1_smem = k_smem
     if geo.DV1 > 0:
         v1_smem = gl.allocate_shared_memory(cdt, [STAGES, BLOCK_N, geo.DV1], SMEMV1)
@@ -224,7 +236,7 @@ def attention_kernel(
     for i in gl.static_range(NBAR):
         # (F8: K's copies, as for 16-bit K/V, and one more arrive once V is transposed)
         mbarrier.init(kv_full.index(i), count=(1 if (USE_TMA or geo.KV8) else LOAD_WARPS * 32) + (1 if F8 else 0))
-        mbarrier.init(kv_empty.index(i), count=NC)
+        mbarrier.init(kv_empty.index(i), count=NC * 128)  # (every consumer thread: see consumer._release)
     if STAGING > 0:  # (8-bit tiles in the copies' own layouts: rows of 32, 64 or >= 128 bytes; F8: V only)
         kv_dt: gl.constexpr = K.dtype.element_ty
         st_v = gl.allocate_shared_memory(kv_dt, [STAGING, BLOCK_N, geo.DV0], _layout(geo.DV0, 8))
@@ -267,7 +279,8 @@ def attention_kernel(
     item_empty = gl.allocate_shared_memory(gl.int64, [ITEM_RING, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(ITEM_RING):
         mbarrier.init(item_full.index(i), count=1)
-        mbarrier.init(item_empty.index(i), count=NC + (1 if ISSUER else 0))  # (ISSUER: the gather warps read it too)
+        # (ISSUER: the gather warps read it too)
+        mbarrier.init(item_empty.index(i), count=geo.NP + (1 if ISSUER else 0))
     # ISSUER with 16-bit K/V: the issuing warp hands each item's tile across kv_len to the gather warps
     # (see KVRing)
     if ISSUER and STAGING == 0:
@@ -285,12 +298,12 @@ def attention_kernel(
         q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_full, count=1)
-        mbarrier.init(q_empty, count=NC)
+        mbarrier.init(q_empty, count=geo.NP)
     else:  # (unused)
         q_full = kv_full.index(0)
         q_empty = kv_empty.index(0)
     if ROWSUM:  # the consumers' row sums: P times this block of ones, keys contiguous as K's are
-        ONES_L: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])
+        ONES_L: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [num_warps, 1], [1, 0])
         ones_v = gl.full([8, BLOCK_N], 1.0, gl.float32, ONES_L).to(cdt)
         ones = gl.allocate_shared_memory(cdt, [8, BLOCK_N], _layout(BLOCK_N, cdt.primitive_bitwidth), ones_v)
     else:  # (unused)
@@ -357,7 +370,7 @@ def attention_kernel(
     )
     ring = KVRing(k_smem, k1_smem, v_smem, v1_smem, kv_full, kv_empty, tail_go, tail_done)
     stg = Staging(st_k, st_k1, st_v, st_v1, st_full, st_empty)
-    slots = QSlots(q_smem, q1_smem, q_full, q_empty, q_f, ones)
+    slots = QSlots(q_smem, q3_smem, q1_smem, q13_smem, q_full, q_empty, q_f, ones)
     src = KVSource(
         K,
         V,
@@ -392,12 +405,54 @@ def attention_kernel(
     R0: gl.constexpr = 0
     R1: gl.constexpr = geo.SUB_M
     R2: gl.constexpr = 2 * geo.SUB_M
+    W: gl.constexpr = geo.SUB_M  # (one warpgroup's rows)
+    W2: gl.constexpr = 2 * geo.SUB_M
     # (ISSUER: the gather warps and the issuing warp share one warpgroup and its registers)
-    if NC == 2 and ISSUER:
+    if MERGED and NC == 3 and ISSUER:
         gl.warp_specialize(
             [
-                (_consumer_partition, (sched, ring, slots, out, R0, geo)),
-                (_consumer_partition, (sched, ring, slots, out, R1, geo)),
+                (_consumer_partition, (sched, ring, slots, out, R0, W2, geo)),
+                (_consumer_partition, (sched, ring, slots, out, R2, W, geo)),
+                (_gather_partition, (sched, ring, stg, slots, src, q_desc, geo)),
+                (_load_partition, (sched, ring, stg, slots, src, k_desc, k1_desc, v_desc, v1_desc, q_desc, geo)),
+            ],
+            [4, LOAD_WARPS, 1],
+            [CONS_REGS, LOAD_REGS, LOAD_REGS],
+        )
+    elif MERGED and NC == 3:
+        gl.warp_specialize(
+            [
+                (_consumer_partition, (sched, ring, slots, out, R0, W2, geo)),
+                (_consumer_partition, (sched, ring, slots, out, R2, W, geo)),
+                (_load_partition, (sched, ring, stg, slots, src, k_desc, k1_desc, v_desc, v1_desc, q_desc, geo)),
+            ],
+            [4, LOAD_WARPS],
+            [CONS_REGS, LOAD_REGS],
+        )
+    elif MERGED and ISSUER:
+        gl.warp_specialize(
+            [
+                (_consumer_partition, (sched, ring, slots, out, R0, W2, geo)),
+                (_gather_partition, (sched, ring, stg, slots, src, q_desc, geo)),
+                (_load_partition, (sched, ring, stg, slots, src, k_desc, k1_desc, v_desc, v1_desc, q_desc, geo)),
+            ],
+            [LOAD_WARPS, 1],
+            [LOAD_REGS, LOAD_REGS],
+        )
+    elif MERGED:
+        gl.warp_specialize(
+            [
+                (_consumer_partition, (sched, ring, slots, out, R0, W2, geo)),
+                (_load_partition, (sched, ring, stg, slots, src, k_desc, k1_desc, v_desc, v1_desc, q_desc, geo)),
+            ],
+            [LOAD_WARPS],
+            [LOAD_REGS],
+        )
+    elif NC == 2 and ISSUER:
+        gl.warp_specialize(
+            [
+                (_consumer_partition, (sched, ring, slots, out, R0, W, geo)),
+                (_consumer_partition, (sched, ring, slots, out, R1, W, geo)),
                 (_gather_partition, (sched, ring, stg, slots, src, q_desc, geo)),
                 (_load_partition, (sched, ring, stg, slots, src, k_desc, k1_desc, v_desc, v1_desc, q_desc, geo)),
             ],
@@ -407,8 +462,8 @@ def attention_kernel(
     elif NC == 2:
         gl.warp_specialize(
             [
-                (_consumer_partition, (sched, ring, slots, out, R0, geo)),
-                (_consumer_partition, (sched, ring, slots, out, R1, geo)),
+                (_consumer_partition, (sched, ring, slots, out, R0, W, geo)),
+                (_consumer_partition, (sched, ring, slots, out, R1, W, geo)),
                 (_load_partition, (sched, ring, stg, slots, src, k_desc, k1_desc, v_desc, v1_desc, q_desc, geo)),
             ],
             [4, LOAD_WARPS],
@@ -417,9 +472,9 @@ def attention_kernel(
     elif ISSUER:
         gl.warp_specialize(
             [
-                (_consumer_partition, (sched, ring, slots, out, R0, geo)),
-                (_consumer_partition, (sched, ring, slots, out, R1, geo)),
-                (_consumer_partition, (sched, ring, slots, out, R2, geo)),
+                (_consumer_partition, (sched, ring, slots, out, R0, W, geo)),
+                (_consumer_partition, (sched, ring, slots, out, R1, W, geo)),
+                (_consumer_partition, (sched, ring, slots, out, R2, W, geo)),
                 (_gather_partition, (sched, ring, stg, slots, src, q_desc, geo)),
                 (_load_partition, (sched, ring, stg, slots, src, k_desc, k1_desc, v_desc, v1_desc, q_desc, geo)),
             ],
@@ -429,9 +484,9 @@ def attention_kernel(
     else:
         gl.warp_specialize(
             [
-                (_consumer_partition, (sched, ring, slots, out, R0, geo)),
-                (_consumer_partition, (sched, ring, slots, out, R1, geo)),
-                (_consumer_partition, (sched, ring, slots, out, R2, geo)),
+                (_consumer_partition, (sched, ring, slots, out, R0, W, geo)),
+                (_consumer_partition, (sched, ring, slots, out, R1, W, geo)),
+                (_consumer_partition, (sched, ring, slots, out, R2, W, geo)),
                 (_load_partition, (sched, ring, stg, slots, src, k_desc, k1_desc, v_desc, v1_desc, q_desc, geo)),
             ],
             [4, 4, LOAD_WARPS],

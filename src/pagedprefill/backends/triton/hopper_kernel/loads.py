@@ -9,7 +9,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier, tma
 from triton.language.core import _aggregate as aggregate
 
-from .buffers import KVRing, QSlots, Staging
+from .buffers import KVRing, QSlots, Staging, q_rows
 from .geometry import Geometry, WorkItem, _window_range
 from .schedule import ITEM_RING, Schedule
 
@@ -197,11 +197,11 @@ def _issue_q(q_desc, slots: QSlots, w: WorkItem, r, geo: Geometry):
         for ci in gl.static_range(geo.NC):
             tok = w.q_start + (w.row0 + ci * 64) // GROUP
             for h in gl.static_range(DQ0 // QB):
-                dst = slots.q.index(ci).slice(h * QB, QB, dim=1)
+                dst = q_rows(slots.q, slots.q3, ci * 64, 64).slice(h * QB, QB, dim=1)
                 dst = dst._reinterpret(slots.q.dtype, [64 // GROUP, GROUP, QB], q_desc.layout)
                 tma.async_copy_global_to_shared(q_desc, [tok, w.kv_head * GROUP, h * QB], slots.full, dst)
             for h in gl.static_range(DQ1 // QB):  # (Dqk > 128: columns past 128 into q1)
-                dst = slots.q1.index(ci).slice(h * QB, QB, dim=1)
+                dst = q_rows(slots.q1, slots.q13, ci * 64, 64).slice(h * QB, QB, dim=1)
                 dst = dst._reinterpret(slots.q.dtype, [64 // GROUP, GROUP, QB], q_desc.layout)
                 tma.async_copy_global_to_shared(q_desc, [tok, w.kv_head * GROUP, DQ0 + h * QB], slots.full, dst)
 
