@@ -13,7 +13,8 @@ kernel's PTX (a stage hook installed on import), deletes the ``bar.sync`` Triton
 mark and the wait. A marked wait must have no real hazard pending before it: no shared-memory write
 by the partition's threads since the last barrier that another of its threads reads after the wait
 (the consumers' key loop writes no shared memory: P stays in registers). Without the hook the
-barrier stays: slower, never wrong.
+barrier stays: slower, never wrong. Triton's kernel cache keys on the kernel source (the mark
+included), not on this pass: a change to what the pass drops must change ``MARK`` too.
 """
 
 import re
