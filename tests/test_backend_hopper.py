@@ -168,20 +168,23 @@ def test_plan_caps_the_chunk_at_every_pair(chunk, want):
 
 
 def test_merged_consumers_where_q_k_and_v_rows_are_one_part():
-    """The first two of three consumers run as one 8-warp partition at D 64 and 128 (16-bit, 8-bit K/V
-    or 8-bit q/k/v); not with a second part (D 96, Dqk 192, D 256) nor on two consumers; a knob decides
-    where it is set."""
+    """The first two of three consumers run as one 8-warp partition at D 64 and at D 128 with 8-bit K/V
+    (16-bit q or e4m3 q/k/v); not at D 128 with 16-bit K/V, with a second part (D 96, Dqk 192, D 256) or
+    on two consumers; a knob decides where it is set."""
 
     def merged(**kw):
         base = dict(lens_q=[700, 900], lens_kv=[1500, 2000], hq=8, hkv=2, dqk=128, page_size=16, dtype=F16)
         return hp.config(batch_of(make_case(2, **{**base, **kw}))).merged
 
-    assert merged() == 1 and merged(dqk=64) == 1 and merged(kv_dtype=torch.float8_e4m3fn) == 1
+    e4m3 = torch.float8_e4m3fn
+    assert merged() == 0 and merged(dtype=torch.bfloat16) == 0
+    assert merged(dqk=64) == 1 and merged(dqk=64, kv_dtype=e4m3) == 1
+    assert merged(kv_dtype=e4m3) == 1 and merged(dtype=e4m3, kv_dtype=e4m3) == 1
     assert merged(dqk=96) == 0 and merged(dqk=192, dvo=128) == 0 and merged(dqk=256) == 0
     with tuning.override("hopper", consumers=2):
-        assert merged() == 0
+        assert merged(dqk=64) == 0
     with tuning.override("hopper", merged=0):
-        assert merged() == 0
+        assert merged(dqk=64) == 0
     with tuning.override("hopper", merged=1):
         assert merged(dqk=96) == 1
 
@@ -190,9 +193,9 @@ def test_config_picks_the_schedule_by_shape():
     """64-key tiles on three consumers at every page size (128 x 128 tiles on two consumers measured
     slower, or level, on pages of 64 and 128 too); static rounds for prompts of <= 1024 tokens and
     chunked prefill (max_kv >= 4 * max_q), the work counter elsewhere; a knob replaces the choice."""
-    # (D 64 and 128 on three consumers: the first two as one 8-warp partition, see merged_consumers)
-    static = dataclasses.replace(hp.DEFAULT, dynamic=0, merged=1)
-    counter = dataclasses.replace(hp.DEFAULT, chunk=hp.DYNAMIC_CHUNK, merged=1)  # (off the work counter)
+    # (D 128 with 16-bit K/V: three 4-warp consumer partitions, see merged_consumers)
+    static = dataclasses.replace(hp.DEFAULT, dynamic=0, merged=0)
+    counter = dataclasses.replace(hp.DEFAULT, chunk=hp.DYNAMIC_CHUNK, merged=0)  # (off the work counter)
 
     def cfg(**kw):
         base = dict(lens_q=[5, 48], lens_kv=[9, 60], hq=8, hkv=2, dqk=128, page_size=16, dtype=F16)
@@ -205,12 +208,13 @@ def test_config_picks_the_schedule_by_shape():
     assert cfg(page_size=0, causal=False) == static and cfg(page_size=0, lens_kv=[9, 200]) == static
     assert cfg(lens_q=[48], lens_kv=[192]) == static and cfg(lens_q=[48], lens_kv=[191]) == static
     assert cfg(lens_q=[2048], lens_kv=[8191]) == counter and cfg(lens_q=[2048], lens_kv=[8192]) == static
-    assert cfg(lens_q=[1025], lens_kv=[2048], dqk=64) == counter and static.chunk == 4
+    assert cfg(lens_q=[1025], lens_kv=[2048], dqk=64) == dataclasses.replace(counter, merged=1)
+    assert static.chunk == 4
     with tuning.override("hopper", chunk=2):
         assert cfg(lens_q=[1025], lens_kv=[2048]).chunk == 2
     # (the chunk follows the final schedule, a `dynamic` knob included)
     with tuning.override("hopper", dynamic=0):
-        assert cfg(lens_q=[1025], lens_kv=[2048]) == dataclasses.replace(hp.DEFAULT, dynamic=0, merged=1)
+        assert cfg(lens_q=[1025], lens_kv=[2048]) == dataclasses.replace(hp.DEFAULT, dynamic=0, merged=0)
     with tuning.override("hopper", dynamic=1):
         assert cfg().chunk == hp.DYNAMIC_CHUNK and cfg().dynamic == 1
     fp8 = cfg(page_size=64, kv_dtype=torch.float8_e4m3fn)
@@ -232,8 +236,9 @@ def test_config_takes_two_consumers_where_192_row_blocks_would_be_padding():
     K/V at D 64, 96, 128 and Dqk 192, 8-bit K/V at D 96 and 128, ragged or in pages of >= 16 tokens (64
     and 128 included); never for D 256 (two consumers anyway), 8-bit K/V at other head dims, fp8 q, pages
     under 16 tokens, or under a ``consumers`` knob."""
-    static = dataclasses.replace(hp.DEFAULT, dynamic=0, merged=1)  # (D 64 / 128: see merged_consumers)
-    narrow = dataclasses.replace(static, merged=0, **hp.NARROW)
+    static = dataclasses.replace(hp.DEFAULT, dynamic=0, merged=0)  # (D 128, 16-bit K/V: see merged_consumers)
+    merged = dataclasses.replace(static, merged=1)  # (D 64, and D 128 with 8-bit K/V)
+    narrow = dataclasses.replace(static, **hp.NARROW)
 
     def cfg(lq, **kw):
         base = dict(lens_q=[3, lq], lens_kv=[9, lq + 500], hq=8, hkv=2, dqk=128, page_size=16, dtype=F16)
@@ -242,11 +247,11 @@ def test_config_takes_two_consumers_where_192_row_blocks_would_be_padding():
     # rows = 4 * max_q: 256 -> 384 vs 256; 128 -> 192 vs 128; 448 -> 576 vs 512 (1.125); 480 -> 576 vs 512
     assert cfg(64) == narrow and cfg(32) == narrow and cfg(16) == narrow and cfg(64, page_size=0) == narrow
     assert cfg(112) == static and cfg(120) == static and cfg(48) == static and cfg(96) == static
-    assert cfg(64, dqk=64) == narrow and cfg(96, dqk=64) == static
+    assert cfg(64, dqk=64) == narrow and cfg(96, dqk=64) == merged
     d96 = cfg(64, dqk=96)
     assert (d96.consumers, d96.consumer_regs, d96.stages) == (2, hp.NARROW["consumer_regs"], hp.D96_STAGES)
-    assert cfg(64, dqk=192, dvo=128) == narrow and cfg(96, dqk=192, dvo=128) == dataclasses.replace(static, merged=0)
-    assert cfg(64, kv_dtype=torch.float8_e4m3fn) == narrow and cfg(96, kv_dtype=torch.float8_e4m3fn) == static
+    assert cfg(64, dqk=192, dvo=128) == narrow and cfg(96, dqk=192, dvo=128) == static
+    assert cfg(64, kv_dtype=torch.float8_e4m3fn) == narrow and cfg(96, kv_dtype=torch.float8_e4m3fn) == merged
     assert cfg(64, kv_dtype=torch.float8_e4m3fn, dqk=96).consumers == 2  # (8-bit K/V at D 96: measured)
     assert cfg(64, kv_dtype=torch.float8_e4m3fn, dqk=64).consumers == 3  # (8-bit K/V at D 64: level)
     assert cfg(64, dqk=256).consumers == 2 and cfg(64, dqk=256).BLOCK_N == hp.D256_SPLIT["BLOCK_N"]

@@ -98,8 +98,8 @@ def test_widened_8_bit_tiles_at_d64_come_from_one_issuing_warp(tmp_path):
 def test_consumer_key_loops_hold_no_partition_barrier(tmp_path):
     """The consumers' key loop keeps no ``BAR.SYNC``: each thread releases its ring stages by its own
     arrive, and the one Triton puts before the marked wait on a full stage is dropped (sync.py), in the
-    8-warp consumer partition (D 64 / 128) and in 4-warp ones (D 96, two consumers)."""
-    res = _compile_specs(tmp_path, "d64", "d128", "d96", "kv8", "d128:merged=0")
+    8-warp consumer partition (D 64, 8-bit K/V at D 128, or forced) and in 4-warp ones (D 128, D 96)."""
+    res = _compile_specs(tmp_path, "d64", "d128", "d96", "kv8", "d128:merged=1")
     for line in res.stdout.splitlines():
         loop = line.split("key loop")[1].split("|")[0]
         assert count(loop, "BAR") == 0 and count(loop, "HGMMA") > 0, res.stdout

@@ -296,12 +296,13 @@ def share_bytes(batch: PrefillBatch, cfg: Config, tail: int, shares: int) -> int
 
 def merged_consumers(batch: PrefillBatch, cfg: Config) -> bool:
     """Whether the first two of three consumer warpgroups run as one 8-warp partition: where Q, K and V
-    rows are one part each (D 64 and 128). On an H100 (`bench/results/h100-ab.log` §19, source trees
-    timed in order and reversed), against three 4-warp partitions: d64_b16_q2k +2 to +4%, fp8kv_b8_q2k
-    +6%, short_b256_q64_p512 +1.5%, llama8b_b4_q4k, the 16k prefill and fp8_b2_q8k level; with a second
-    part (D 96, Dqk 192) -2 to -3% and on two consumers (D 256) -2%, which keep their own partitions."""
+    rows are one part each and the call is D 64, or D 128 with 8-bit K/V. On an H100, against three
+    4-warp partitions (`bench/results/h100-ab.log` §19-20): d64_b16_q2k +2 to +4%, fp8kv_b8_q2k +6%,
+    fp8_b2_q8k level; D 128 with 16-bit K/V level to -10% (the 16k prefill 599-644 against 657-671
+    TF/s, chunked prefill -2 to -4%, varlen -1 to -3%); with a second part (D 96, Dqk 192) -2 to -3%
+    and on two consumers (D 256) -2%. Those keep their own partitions."""
     one_part = all(first_part(d) == d for d in (batch.head_dim_qk, batch.head_dim_vo))
-    return cfg.consumers == 3 and one_part
+    return cfg.consumers == 3 and one_part and (batch.head_dim_qk == 64 or batch.fp8_kv)
 
 
 def config(batch: PrefillBatch) -> Config:
