@@ -11,7 +11,7 @@ How it works (``docs/design.md`` has the reasons and ``docs/decisions.md`` what 
 * Each program is split into partitions (``gl.warp_specialize``): the load warps fill a ring of
   ``STAGES`` K/V tiles (bulk-tensor copies for tiles wholly below ``kv_len``, a zero-filling
   ``cp.async`` gather otherwise) and copy each item's Q by TMA; ``NC`` consumer warpgroups of 64
-  rows each (at D 64 and 128 the first two as one 8-warp partition, ``Geometry.MERGED``: one copy of
+  rows each (at D 64, and D 128 with 8-bit K/V, the first two as one 8-warp partition, ``Geometry.MERGED``: one copy of
   their code; ``sync`` keeps them from meeting at every key tile) run ``S_j = Q K_j^T`` as an
   asynchronous wgmma beside the rescale of O and
   ``O += P_{j-1} V_{j-1}``, so the softmax of tile j overlaps the PV GEMM of tile j-1.
