@@ -900,6 +900,11 @@ def test_backends_are_timed_in_turn(monkeypatch):
     assert order == ["a", "a16", "b", "bad"] + ["a", "a16", "b"] * 2
     # (the drift adds 0, 1, 2, ... in call order: a reads 1, 4, 7; a16 22, 25, 28; b 13, 16, 19)
     assert rows[0]["ms"] == 4.0 and rows[0]["wide_ms"] == 25.0 and rows[1]["ms"] == 16.0
+    assert rows[0]["round_ms"] == [1.0, 4.0, 7.0] and rows[1]["round_ms"] == [13.0, 16.0, 19.0]
+    note = sweep.round_spread_note(rows)  # (a: 7 / 1, b: 19 / 13; the failed row has none)
+    assert note.startswith("round spread") and "median 4.231x over 2 rows" in note, note
+    assert "largest 7.000x (w / x: 1.000-7.000 ms)" in note, note
+    assert sweep.round_spread_note([dict(workload="w", backend="x", round_ms=[2.0])]) is None
     assert rows[0]["reps"] == 21 and rows[0]["timer"] == "fake-timer, 3 rounds in turn"
     assert rows[2]["ms"] is None and "boom" in rows[2]["error"] and "error" not in rows[1]
 

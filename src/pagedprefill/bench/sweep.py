@@ -168,10 +168,32 @@ def time_in_turn(pending: list[tuple[dict, list]], args: argparse.Namespace, pro
             for key in ("ms", "wide_ms"):
                 if (i, key) in got:
                     row[key] = statistics.median(got[(i, key)])
+            if (i, "ms") in got:
+                row["round_ms"] = got[(i, "ms")]  # (each round's median, in order: the run's noise)
             row["reps"] = runs.get(i)
             if i in timers:
                 prefix = "cuda-graph replay, " if row["timer"] == "cuda-graph replay" else ""
                 row["timer"] = f"{prefix}{timers[i]}, {rounds} rounds in turn"
+
+
+def round_spread_note(results: list[dict]) -> str | None:
+    """How far a system's round medians spread in this run (slowest / fastest round of one row): the
+    median over the rows and the largest, named; None with fewer than two rounds. Two figures of one
+    table closer than this spread are level."""
+    spreads = [
+        (max(r["round_ms"]) / min(r["round_ms"]), r)
+        for r in results
+        if len(r.get("round_ms") or ()) > 1 and min(r["round_ms"]) > 0
+    ]
+    if not spreads:
+        return None
+    top, worst = max(spreads, key=lambda x: x[0])
+    mid = statistics.median(x for x, _ in spreads)
+    lo, hi = min(worst["round_ms"]), max(worst["round_ms"])
+    return (
+        f"round spread (slowest / fastest round median of one row): median {mid:.3f}x over {len(spreads)} rows, "
+        f"largest {top:.3f}x ({worst['workload']} / {worst['backend']}: {lo:.3f}-{hi:.3f} ms)"
+    )
 
 
 def default_backends(device: torch.device) -> list[str]:
@@ -366,6 +388,9 @@ def report(
             f"{r['rel_err']:.3e} (tolerance {r['rel_tol']:g})"
             + (f", lse error {r['lse_err']:.3e}" if r.get("lse_err") is not None else "")
         )
+    spread = round_spread_note(results)
+    if spread:
+        notes.append(spread)
     legend = [
         "TF/s: FLOPs (2 x (Dqk + Dvo) per visible query-key pair per query head) / median time; ×cuDNN / ×FA3: that "
         "system's time / this one's (> 1: faster); host µs: host time per call, calls queued without a sync",
