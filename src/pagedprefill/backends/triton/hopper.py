@@ -298,9 +298,9 @@ def merged_consumers(batch: PrefillBatch, cfg: Config) -> bool:
     """Whether the first two of three consumer warpgroups run as one 8-warp partition: where Q, K and V
     rows are one part each and the call is D 64, or D 128 with 8-bit K/V. On an H100, against three
     4-warp partitions (`bench/results/h100-ab.log` §19-20): d64_b16_q2k +2 to +4%, fp8kv_b8_q2k +6%,
-    fp8_b2_q8k level; D 128 with 16-bit K/V level to -10% (the 16k prefill 599-644 against 657-671
-    TF/s, chunked prefill -2 to -4%, varlen -1 to -3%); with a second part (D 96, Dqk 192) -2 to -3%
-    and on two consumers (D 256) -2%. Those keep their own partitions."""
+    fp8_b2_q8k level; D 128 with 16-bit K/V level or slower (the 16k prefill 599-667 against 648-682
+    TF/s, chunked prefill 618-635 against 636-660, varlen 520-568 against 560-572); with a second part
+    (D 96, Dqk 192) -2 to -3% and on two consumers (D 256) -2%. Those keep their own partitions."""
     one_part = all(first_part(d) == d for d in (batch.head_dim_qk, batch.head_dim_vo))
     return cfg.consumers == 3 and one_part and (batch.head_dim_qk == 64 or batch.fp8_kv)
 
