@@ -17,20 +17,20 @@ LAYERS = {
     "kernels.metadata": 2,
     "kernels.merge": 2,
     "kernels": 1,
-    "normalise": 3,
-    "workspace": 4,
     "backends": 5,
     "dispatch": 6,
-    "prefill_plan": 7,
-    "plan_cache": 7,
-    "merge": 7,
-    "api": 8,
-    "wrappers": 9,
-    "flashinfer": 10,
-    "ops": 10,
-    "workloads": 11,
-    "bench": 12,
-    "demo": 12,
+    "normalise": 7,
+    "workspace": 8,
+    "prefill_plan": 9,
+    "plan_cache": 9,
+    "merge": 9,
+    "api": 10,
+    "wrappers": 11,
+    "flashinfer": 12,
+    "ops": 12,
+    "workloads": 13,
+    "bench": 14,
+    "demo": 14,
 }
 
 
@@ -68,7 +68,7 @@ def _imports(path: Path) -> set[str]:
 
 def _layer(name: str) -> int:
     if name == "":
-        return 9  # the package itself: its public names
+        return 11  # the package itself: its public names
     parts = name.split(".")
     for n in range(len(parts), 0, -1):
         key = ".".join(parts[:n])

@@ -410,7 +410,7 @@ def _fake_plan(spec, key=(), device="cpu"):
     """A "built" plan of ``spec`` without cuDNN (no graph; its scratch layout and constants)."""
     lay = graph.scratch_layout(spec, 4096)
     consts = prepare.make_consts(spec, lay, torch.device(device))
-    return graph.Plan(spec, None, {}, lay, "emulated", 0.0, key=key, consts=consts)
+    return graph.Plan(spec, None, {}, lay, key=key, consts=consts)
 
 
 def test_covering_plan_is_the_smallest_built_graph_within_the_ratios(monkeypatch):
@@ -559,7 +559,7 @@ class Emulator:
         if key not in self.plans:
             lay = graph.scratch_layout(spec, 4096)
             consts = prepare.make_consts(spec, lay, batch.device)
-            self.plans[key] = graph.Plan(spec, None, {}, lay, "emulated", 0.0, consts=consts)
+            self.plans[key] = graph.Plan(spec, None, {}, lay, consts=consts)
         return self.plans[key]
 
 
@@ -1107,7 +1107,7 @@ def test_paged_grid(dtype, dims, page_size):
 @pytest.mark.parametrize("name", list(EMPTY_OPERANDS))
 def test_empty_operands(name, dims, dtype, on_device):
     """Regression (H200): an operand without elements (ragged K/V of 0 rows with kv_len 0, q of 0 rows)
-    made cuDNN raise ``execute(...) failed ... varPackPtrs[io_uid_idx] == nullptr``. The graph is now
+    made cuDNN raise ``execute(...) failed ... varPackPtrs[io_uid_idx] == nullptr``. The graph is
     skipped; out rows without keys are 0 and their lse -inf; nothing else is written."""
     case = _gpu_case(
         30, **EMPTY_OPERANDS[name], hq=8, hkv=2, dqk=dims[0], dvo=dims[1], dtype=dtype, lens_on_device=on_device
@@ -1572,7 +1572,7 @@ def test_raw_execute_orders_addresses_by_the_graphs_slots(monkeypatch):
             _plans=[],
             _data_bindings=bindings or {},
         )
-        return graph.Plan(None, g, tensors, None, "test", 0.0)
+        return graph.Plan(None, g, tensors, None)
 
     module = types.SimpleNamespace(__version__="1.32.0")
     monkeypatch.setattr(graph, "cudnn_module", lambda: module)

@@ -134,6 +134,11 @@ def test_unknown_backend_names_the_choices():
         with pytest.raises(ValueError, match=r"^backend: expected one of \('auto', 'cudnn', 'triton', 'torch'\)"):
             dispatch.check_backend(bad)
     assert dispatch.check_backend(None) == "auto"
+    with pytest.raises(NotImplementedError, match="FlashInfer's backend='cubin'"):  # (its own selector's value)
+        dispatch.check_backend("cubin")
+    case = make_case(3, lens_q=[2], lens_kv=[5], page_size=2)
+    with pytest.raises(NotImplementedError, match="cubin"):
+        pagedprefill.cudnn_batch_prefill_with_kv_cache(**{**case.kwargs, "backend": "cubin"})
 
 
 def test_auto_reports_why_nothing_serves(monkeypatch):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 
@@ -119,19 +120,57 @@ def test_ragged_wrapper_matches_the_oracle(kv_layout):
 
 
 def test_wrapper_and_one_shot_agree_and_merge_in_base_2():
-    """The wrapper's base-2 LSE merges with flashinfer.merge_state exactly as the one-shot call's
-    natural-log LSE with pagedprefill.merge_state."""
+    """The ragged wrapper (base-2 LSE) and the one-shot call (natural-log LSE) give one result on one
+    batch, against the oracle; the wrapper's runs over two uneven parts of each sequence's keys merge
+    into the whole with flashinfer.merge_state (base 2) and with pagedprefill.merge_state (natural log)."""
     case = _case(page_size=0, causal=False)
     kw = case.kwargs
-    kv_indptr = torch.tensor([0, *torch.tensor(case.lens_kv).cumsum(0).tolist()], dtype=torch.int32)
-    w = pagedprefill.BatchPrefillWithRaggedKVCacheWrapper(kw["workspace_buffer"])
-    w.plan(_qo_indptr(case), kv_indptr, 6, 2, 32, q_data_type=F32)
-    o, lse2 = w.run(kw["q"], kw["k_cache"], kw["v_cache"], return_lse=True)
-    m, s = flashinfer.merge_state(o, lse2, o, lse2)  # a state merged with itself: same output, lse + 1 bit
-    torch.testing.assert_close(m, o, atol=1e-6, rtol=0)
-    torch.testing.assert_close(s, lse2 + 1.0, atol=1e-5, rtol=0)
-    m, s = pagedprefill.merge_state(o, lse2 * math.log(2), o, lse2 * math.log(2))
-    torch.testing.assert_close(s, (lse2 + 1.0) * math.log(2), atol=1e-5, rtol=0)
+    q, k, v = kw["q"], kw["k_cache"], kw["v_cache"]
+    ln2 = math.log(2)
+    starts = [0, *torch.tensor(case.lens_kv).cumsum(0).tolist()]
+    cuts = [s + n // 3 + 1 for s, n in zip(starts, case.lens_kv)]  # (each part non-empty: every kv_len >= 3)
+
+    def run(rows: list[range]) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.tensor([i for r in rows for i in r], dtype=torch.long, device=k.device)
+        indptr = torch.tensor([0, *torch.tensor([len(r) for r in rows]).cumsum(0).tolist()], dtype=torch.int32)
+        w = pagedprefill.BatchPrefillWithRaggedKVCacheWrapper(kw["workspace_buffer"])
+        w.plan(_qo_indptr(case), indptr, 6, 2, 32, sm_scale=kw["scale"], q_data_type=F32)
+        return w.run(q, k[idx], v[idx], return_lse=True)
+
+    o, lse2 = run([range(a, b) for a, b in zip(starts, starts[1:])])
+    check(case, o, None, atol=2e-5)
+    torch.testing.assert_close(lse2.double().cpu() * ln2, _ref_lse_rows(case), atol=1e-4, rtol=0)
+    one_o, one_lse = pagedprefill.cudnn_batch_prefill_with_kv_cache(**{**kw, "return_lse": True})
+    hq = q.shape[1]
+    one_rows = torch.cat([one_lse[b, :n] for b, n in enumerate(case.lens_q)]).view(-1, hq)
+    torch.testing.assert_close(one_o, o, atol=1e-5, rtol=0)
+    torch.testing.assert_close(one_rows, lse2 * ln2, atol=1e-5, rtol=0)
+    oa, sa = run([range(a, c) for a, c in zip(starts, cuts)])
+    ob, sb = run([range(c, b) for c, b in zip(cuts, starts[1:])])
+    assert (sa - lse2).abs().max() > 0.1  # (a part's LSE is not the whole's)
+    m, s = flashinfer.merge_state(oa, sa, ob, sb)
+    torch.testing.assert_close(m, o, atol=1e-5, rtol=0)
+    torch.testing.assert_close(s, lse2, atol=1e-5, rtol=0)
+    m, s = pagedprefill.merge_state(oa, sa * ln2, ob, sb * ln2)
+    torch.testing.assert_close(m, o, atol=1e-5, rtol=0)
+    torch.testing.assert_close(s, lse2 * ln2, atol=1e-5, rtol=0)
+
+
+def test_default_sm_scale_is_one_over_sqrt_head_dim_qk():
+    """Without sm_scale both wrappers scale logits by 1/sqrt(head_dim_qk), whatever head_dim_vo is."""
+    paged = _case(seed=3, dqk=48, dvo=16, causal=True)
+    kw = paged.kwargs
+    assert kw["scale"] == 1.0 / math.sqrt(48)
+    indptr, indices, last = _csr(paged)
+    w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(kw["workspace_buffer"], "HND")
+    w.plan(_qo_indptr(paged), indptr, indices, last, 6, 2, 48, 4, causal=True, head_dim_vo=16, q_data_type=F32)
+    check(paged, w.run(kw["q"], (kw["k_cache"], kw["v_cache"])), None, atol=2e-5)
+    ragged = _case(seed=4, page_size=0, dqk=48, dvo=16, causal=True)
+    kw = ragged.kwargs
+    kv_indptr = torch.tensor([0, *torch.tensor(ragged.lens_kv).cumsum(0).tolist()], dtype=torch.int32)
+    r = pagedprefill.BatchPrefillWithRaggedKVCacheWrapper(kw["workspace_buffer"])
+    r.plan(_qo_indptr(ragged), kv_indptr, 6, 2, 48, 16, causal=True, q_data_type=F32)
+    check(ragged, r.run(kw["q"], kw["k_cache"], kw["v_cache"]), None, atol=2e-5)
 
 
 def test_window_override_at_run():
@@ -208,6 +247,31 @@ def test_cuda_graph_buffers_are_filled_as_plan_s_non_blocking_says(non_blocking,
     monkeypatch.undo()
     assert seen and set(seen) == {non_blocking}
     check(case, w.run(kw["q"], (kw["k_cache"], kw["v_cache"])), None, atol=2e-5)
+
+
+def test_cuda_graph_buffers_given_are_the_ones_plan_fills_and_run_reads():
+    """use_cuda_graph with the caller's four buffers (longer than the batch): plan writes the batch into
+    them, and a run reads the page ids from them (two page ids swapped in the buffer, with the two
+    pages' contents swapped in the cache, give the same result)."""
+    case = _case(causal=True)
+    kw = case.kwargs
+    indptr, indices, last = _csr(case)
+    qo = _qo_indptr(case)
+    given = {"qo_indptr": qo, "paged_kv_indptr": indptr, "paged_kv_indices": indices, "paged_kv_last_page_len": last}
+    bufs = {f"{n}_buf": torch.full((t.numel() + 5,), -7, dtype=torch.int32, device=DEVICE) for n, t in given.items()}
+    w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(kw["workspace_buffer"], "HND", use_cuda_graph=True, **bufs)
+    w.plan(qo, indptr, indices, last, 6, 2, 32, 4, q_data_type=F32, causal=True, sm_scale=kw["scale"])
+    for n, t in given.items():
+        assert torch.equal(bufs[f"{n}_buf"][: t.numel()].cpu(), t.cpu()), n
+    cache = (kw["k_cache"], kw["v_cache"])
+    check(case, w.run(kw["q"], cache), None, atol=2e-5)
+    ids = bufs["paged_kv_indices_buf"]
+    a, b = int(indices[0]), int(indices[-1])
+    swapped = torch.where(ids == a, b, torch.where(ids == b, a, ids))
+    ids.copy_(swapped)
+    for c in cache:
+        c[[a, b]] = c[[b, a]].clone()
+    check(case, w.run(kw["q"], cache), None, atol=2e-5)
 
 
 def test_paged_wrapper_lse_rows_read_on_the_device_with_cuda_graphs():
@@ -432,6 +496,59 @@ def test_unsupported_flashinfer_arguments_are_named(where, kwargs):
         w.run(kw["q"], (k, kw["v_cache"].permute(0, 2, 1, 3)), **(kwargs if where == "run" else {}))
 
 
+@pytest.mark.parametrize(
+    "where, kwargs",
+    [
+        ("plan", dict(packed_custom_mask=torch.ones(3, dtype=torch.uint8))),
+        ("plan", dict(prefix_len_ptr=torch.ones(4, dtype=torch.int32))),
+        ("plan", dict(token_pos_in_items_ptr=torch.ones(4, dtype=torch.int32))),
+        ("plan", dict(max_item_len_ptr=torch.ones(4, dtype=torch.int32))),
+        ("plan", dict(seq_lens=torch.ones(4, dtype=torch.int32))),
+        ("plan", dict(seq_lens_q=torch.ones(4, dtype=torch.int32))),
+        ("plan", dict(pos_encoding_mode="ROPE_LLAMA", rope_scale=2.0)),
+        ("run", dict(kv_cache_sf=torch.ones(3))),
+        ("run", dict(o_scale=0.5)),
+    ],
+)
+def test_unsupported_ragged_arguments_are_named(where, kwargs):
+    """The ragged wrapper refuses what it does not implement, each by name, with a tensor shown by its
+    shape and dtype (never its values)."""
+    case = _case(page_size=0)
+    kw = case.kwargs
+    kv_indptr = torch.tensor([0, *torch.tensor(case.lens_kv).cumsum(0).tolist()], dtype=torch.int32)
+    w = pagedprefill.BatchPrefillWithRaggedKVCacheWrapper(kw["workspace_buffer"])
+    name = next(iter(kwargs))
+    with pytest.raises(NotImplementedError, match=f"FlashInfer's {name}=") as err:
+        w.plan(_qo_indptr(case), kv_indptr, 6, 2, 32, q_data_type=F32, **(kwargs if where == "plan" else {}))
+        w.run(kw["q"], kw["k_cache"], kw["v_cache"], **(kwargs if where == "run" else {}))
+    if isinstance(kwargs[name], torch.Tensor):
+        assert f"tensor of shape {tuple(kwargs[name].shape)}" in str(err.value) and "tensor([" not in str(err.value)
+
+
+def test_positional_run_arguments_point_to_the_scale_keywords():
+    """FlashInfer's fp8 route passes per-head q / k / v scales positionally after the cache: refused
+    by name, pointing to this library's keywords, in both wrappers; the keywords serve."""
+    case = _case()
+    kw = case.kwargs
+    indptr, indices, last = _csr(case)
+    cache = (kw["k_cache"].permute(0, 2, 1, 3), kw["v_cache"].permute(0, 2, 1, 3))
+    w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(kw["workspace_buffer"], "NHD")
+    w.plan(_qo_indptr(case), indptr, indices, last, 6, 2, 32, 4, causal=kw["causal"], sm_scale=kw["scale"],
+           q_data_type=F32)  # fmt: skip
+    scales = [torch.ones(6), torch.ones(2), torch.ones(2)]
+    with pytest.raises(
+        NotImplementedError, match="extra positional run arguments.*got 3.*q_scale=, k_scale=, v_scale="
+    ):
+        w.run(kw["q"], cache, *scales)
+    r = pagedprefill.BatchPrefillWithRaggedKVCacheWrapper(kw["workspace_buffer"])
+    kv = torch.tensor([0, *torch.tensor(case.lens_kv).cumsum(0).tolist()], dtype=torch.int32)
+    r.plan(_qo_indptr(case), kv, 6, 2, 32, q_data_type=F32)
+    ragged = _case(page_size=0)
+    with pytest.raises(NotImplementedError, match="got 1: tuple of 1: tensor of shape \\(6,\\)"):
+        r.run(ragged.kwargs["q"], ragged.kwargs["k_cache"], ragged.kwargs["v_cache"], scales[0])
+    check(case, w.run(kw["q"], cache, q_scale=1.0, k_scale=1.0, v_scale=1.0), None, atol=2e-5)
+
+
 def test_run_checks_the_planned_dtypes_and_layout():
     case = _case()
     kw = case.kwargs
@@ -465,14 +582,20 @@ def test_gpu_paged_wrapper_every_backend(backend):
     kw = case.kwargs
     indptr, indices, last = _csr(case)
     w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(kw["workspace_buffer"], "NHD", backend=backend)
-    w.plan(_qo_indptr(case), indptr, indices, last, 32, 8, 128, 16, causal=True, q_data_type=BF16)
     cache = (kw["k_cache"].permute(0, 2, 1, 3), kw["v_cache"].permute(0, 2, 1, 3))
-    try:
-        out = w.run(kw["q"], cache)
-    except ValueError as e:  # cuDNN reads (B, width) tables, not CSR pages
-        assert backend == "cudnn" and "CSR" in str(e)
-        return
+    plan = functools.partial(w.plan, _qo_indptr(case), indptr, indices, last, 32, 8, 128, 16, causal=True,
+                             q_data_type=BF16)  # fmt: skip
+    plan()
+    if backend == "cudnn":  # cuDNN reads (B, width) tables, not CSR pages: refused by name ...
+        with pytest.raises(ValueError, match="CSR"):
+            w.run(kw["q"], cache)
+        # ... and served in FlashInfer's cudnn form: KV lengths and the block table beside the CSR pages
+        plan(seq_lens=torch.tensor(case.lens_kv, dtype=torch.int32, device="cuda"), block_tables=kw["block_tables"])
+    out = torch.full_like(kw["q"], float("nan"))
+    assert w.run(kw["q"], cache, out=out) is out
     check(case, out, None, atol=atol_for(BF16))
+    if backend != "auto":
+        assert pagedprefill.last_backend() == backend
 
 
 @pytest.mark.gpu

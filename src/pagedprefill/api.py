@@ -9,6 +9,7 @@ matches an earlier one (:mod:`pagedprefill.plan_cache`) skips straight to the la
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -307,8 +308,11 @@ def _call_vectors(planned: DeviceVectors, lens_q, lens_kv, offsets) -> DeviceVec
     )
 
 
-def batch_prefill_with_kv_cache(*args, backend: str | None = "auto", **kwargs) -> tuple[Tensor, Tensor | None]:
-    """:func:`cudnn_batch_prefill_with_kv_cache` with ``backend="auto"`` by default."""
+def batch_prefill_with_kv_cache(
+    *args: Any, backend: str | None = "auto", **kwargs: Any
+) -> tuple[Tensor, Tensor | None]:
+    """An alias of :func:`cudnn_batch_prefill_with_kv_cache` under a name that does not say cuDNN (its
+    ``backend=None`` means ``"auto"`` too): the same arguments, shapes and results."""
     return cudnn_batch_prefill_with_kv_cache(*args, backend=backend, **kwargs)
 
 

@@ -25,9 +25,15 @@ def backend_module(name: str) -> ModuleType:
 
 
 def check_backend(backend: object) -> str:
-    """The requested backend's name ("auto" for None), or a ValueError naming the choices."""
+    """The requested backend's name ("auto" for None), or a ValueError naming the choices
+    (NotImplementedError for FlashInfer's ``"cubin"``)."""
     if backend is None:
         return "auto"
+    # (FlashInfer's selector for cuDNN's precompiled kernels, a path of its own)
+    if isinstance(backend, str) and backend == "cubin":
+        raise NotImplementedError(
+            f"pagedprefill does not implement FlashInfer's backend='cubin'; expected one of {BACKENDS} or None"
+        )
     if backend not in BACKENDS:
         raise fail("backend", f"one of {BACKENDS} or None", repr(backend))
     return backend

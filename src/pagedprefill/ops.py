@@ -25,7 +25,7 @@ from torch import Tensor
 
 from pagedprefill import api, normalise
 from pagedprefill.batch import fail
-from pagedprefill.prefill_plan import PLANS, PrefillPlan, _device_scale
+from pagedprefill.prefill_plan import PLANS, PrefillPlan, device_scale
 
 __all__ = ["batch_prefill_with_kv_cache", "plan_run"]
 
@@ -111,7 +111,7 @@ def _out_like(q: object, v_cache: object, o_data_type, out: object) -> torch.dty
 def _scale_operand(name: str, s: object, device: torch.device) -> object:
     """A q / k / v scale as the op's schema takes it: a float (as the eager functions take it) as a
     one-element float32 tensor; tensors and None as they are (checked inside the op)."""
-    return _device_scale(s, device) if normalise.number_scale(name, s) else s
+    return device_scale(s, device) if normalise.number_scale(name, s) else s
 
 
 def _scales(q: Tensor, q_scale: object, k_scale: object, v_scale: object) -> tuple:

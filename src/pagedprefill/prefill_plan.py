@@ -348,7 +348,7 @@ class PrefillPlan:
                     workspace.write_device_table(lp.bounds, vectors, meta, lp.table_launch)
                     if own and lp.views is not None and lp.views[1] is meta:
                         lp.table_tensors = (meta, workspace.table_tensors(vectors, meta))
-            q_s, k_s, v_s = (_device_scale(s, dev) for s in scales) if scaled else (None, None, None)
+            q_s, k_s, v_s = (device_scale(s, dev) for s in scales) if scaled else (None, None, None)
             t = CallTensors(
                 q,
                 k,
@@ -427,7 +427,7 @@ class PrefillPlan:
         return next(reversed(self.layers.values())).name if self.layers else None
 
 
-def _device_scale(s, device: torch.device) -> Tensor | None:
+def device_scale(s, device: torch.device) -> Tensor | None:
     """A scale as the kernels read it: a one-element float32 tensor on ``device``."""
     if s is None:
         return None

@@ -96,9 +96,21 @@ def _refuse(**given) -> None:
     """NotImplementedError for every FlashInfer argument given a value this library does not implement."""
     for name, (value, default) in given.items():
         if value is not default and value != default:
+            # (a tensor by its shape, dtype and device: its values would cost a device copy and say nothing)
+            shown = describe(value) if isinstance(value, (Tensor, tuple, list)) else repr(value)
             raise NotImplementedError(
-                f"pagedprefill does not implement FlashInfer's {name}={value!r} (default {default!r})"
+                f"pagedprefill does not implement FlashInfer's {name}={shown} (default {default!r})"
             )
+
+
+def _positional_run_arguments(args: tuple) -> None:
+    """NotImplementedError for FlashInfer's positional arguments after the cache (its fp8 route reads
+    per-head q / k / v scale tensors there)."""
+    raise NotImplementedError(
+        f"pagedprefill does not implement FlashInfer's extra positional run arguments (got {len(args)}: "
+        f"{describe(tuple(args))}); fp8 scales are keywords here: q_scale=, k_scale=, v_scale= (one-element "
+        "float32 tensors or floats; per-head scale tensors are not implemented)"
+    )
 
 
 def _dtype(name: str, value) -> torch.dtype | None:
@@ -660,7 +672,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         ``[pages, 2, page_size, Hkv, D]`` / ``[pages, 2, Hkv, page_size, D]`` tensor. Returns out, or
         (out, lse) with ``return_lse`` (lse base 2, ``(qo_indptr[-1], Hq)``)."""
         if args:
-            raise NotImplementedError("pagedprefill does not implement FlashInfer's extra positional run arguments")
+            _positional_run_arguments(args)
         _refuse(
             kv_cache_sf=(kv_cache_sf, None),
             skip_softmax_threshold_scale_factor=(skip_softmax_threshold_scale_factor, None),
@@ -865,7 +877,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         """FlashInfer's ``run``: k, v ``[kv_indptr[-1], Hkv, D]`` (NHD) or ``[Hkv, kv_indptr[-1], D]``
         (HND). Returns out, or (out, lse) with ``return_lse`` (lse base 2, ``(qo_indptr[-1], Hq)``)."""
         if args:
-            raise NotImplementedError("pagedprefill does not implement FlashInfer's extra positional run arguments")
+            _positional_run_arguments(args)
         _refuse(
             o_scale=(None if type(o_scale) in (int, float) and o_scale == 1 else o_scale, None),
             kv_cache_sf=(kv_cache_sf, None),

@@ -16,7 +16,7 @@ How a batch becomes one graph
 
 Bucketing and the cache
 -----------------------
-Graphs are cached under :class:`GraphSpec` (+ device, cuDNN handle, engine policy): every dtype, head
+Graphs are cached under :class:`GraphSpec` (+ device, cuDNN handle): every dtype, head
 count, head dim, page size, page count, table width, stride, the LSE layout, ``scale`` (baked in),
 causal, the window, fp8, and the bucketed batch size / max q length / max kv length. Buckets: batch
 to a power of two; lengths to 64 * 4**k up to 4096, then powers of two. A call whose exact bucket was
@@ -28,9 +28,7 @@ stream capture.
 from __future__ import annotations
 
 import array
-import os
 import threading
-import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -49,11 +47,7 @@ LEN_GEOMETRIC_UNTIL = 4096  # lengths bucket by x4 up to here, then by x2
 # loop: covering all three by 4x cut builds from 31 to 7 per 1000 calls but cost +41% kernel time); a
 # larger max_kv only widens the page table.
 COVER_RATIOS = (1, 4, 4)
-# "auto": the frontend's own routing; "backend": the cuDNN library's engines only. Read at each plan.
-ENGINE_POLICY_ENV = "PAGEDPREFILL_CUDNN_ENGINES"
 ROWS = 13  # int32 rows of the per-run metadata block (see prepare.R_*)
-
-_FP8 = ("float8_e4m3fn", "float8_e5m2")
 
 
 def bucket_batch(n: int) -> int:
@@ -87,7 +81,7 @@ def _strides(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...]
 
 @dataclass(frozen=True)
 class GraphSpec:
-    """Everything a built cuDNN graph depends on (the cache key, with device/handle/policy)."""
+    """Everything a built cuDNN graph depends on (the cache key, with device and handle)."""
 
     q_dtype: str
     kv_dtype: str
@@ -266,7 +260,7 @@ _CUDNN: Any = None
 _CUDNN_ERROR: str | None = None
 _TLS = threading.local()
 LOCK = threading.RLock()
-CACHE: dict[tuple, Plan] = {}  # (GraphSpec, device, handle, policy) -> built plan
+CACHE: dict[tuple, Plan] = {}  # (GraphSpec, device, handle) -> built plan
 FAILED: dict[tuple, str] = {}  # same key -> why cuDNN refused it
 _BUILDS = 0
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -318,13 +312,6 @@ def current_stream(dev: int) -> int:
     return torch.cuda.current_stream(dev).cuda_stream
 
 
-def engine_policy() -> str:
-    policy = os.environ.get(ENGINE_POLICY_ENV, "auto").strip().lower() or "auto"
-    if policy not in ("auto", "backend"):
-        raise ValueError(f"{ENGINE_POLICY_ENV}: expected 'auto' or 'backend', got {policy!r}")
-    return policy
-
-
 def graph_builds() -> int:
     """Number of cuDNN graphs this process has built (successfully) so far."""
     return _BUILDS
@@ -343,8 +330,6 @@ class Plan:
     graph: Any
     tensors: dict[str, Any]
     layout: ScratchLayout
-    engine: str
-    build_seconds: float
     key: tuple = field(default=(), repr=False)
     consts: Any = field(default=None, repr=False)  # prepare.Consts, made once (before any capture)
     binding: str = "tensors"  # how operands reach graph.execute: "tensors" | "addresses"
@@ -530,30 +515,17 @@ def make_graph(spec: GraphSpec, cudnn: Any, **graph_kwargs: Any) -> tuple[Any, d
     return g, t
 
 
-def _plan_name(g: Any) -> str:
-    try:
-        eng = g.selected_engine
-        if eng is not None:
-            return f"frost:{eng.name}"
-        return f"cudnn:{g.get_plan_name_at_index(g._plan_index)}"
-    except Exception as exc:  # diagnostics only
-        return f"unknown ({type(exc).__name__})"
-
-
-def _build(spec: GraphSpec, dev: int, h: Any, policy: str) -> Plan:
+def _build(spec: GraphSpec, dev: int, h: Any) -> Plan:
     cudnn = cudnn_module()
-    t0 = time.perf_counter()
     with torch.cuda.device(dev):
         g, tensors = make_graph(spec, cudnn, handle=h)
         g.validate()
         g.build_operation_graph()
         g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        if policy == "backend":
-            g.deselect_engines(["sdpa_fwd_prefill"])  # the frontend's own python engines
         g.check_support()
         g.build_plans()
         ws = int(g.get_workspace_size())
-    return Plan(spec, g, tensors, scratch_layout(spec, ws), _plan_name(g), time.perf_counter() - t0)
+    return Plan(spec, g, tensors, scratch_layout(spec, ws))
 
 
 def _refusal(spec: GraphSpec, dev: int, exc: BaseException) -> str:
@@ -594,7 +566,7 @@ def plan_for_spec(spec: GraphSpec, dev: int, make_consts) -> Plan | str:
     Never raises for a build refusal; never builds during CUDA stream capture."""
     global _BUILDS
     h = handle(dev)
-    key = (spec, dev, h.backend_handle, engine_policy())
+    key = (spec, dev, h.backend_handle)
     with LOCK:
         plan = CACHE.get(key) or covering_plan(key)
         if plan is not None:
@@ -616,7 +588,7 @@ def plan_for_spec(spec: GraphSpec, dev: int, make_consts) -> Plan | str:
                 f"capture: run the call once with the same shapes before capturing ({spec.describe()})"
             )
         try:
-            plan = _build(spec, dev, h, key[3])
+            plan = _build(spec, dev, h)
         except Exception as exc:  # cudnnGraphNotSupportedError, ValueError, RuntimeError, ...
             reason = FAILED[key] = _refusal(spec, dev, exc)
             return reason

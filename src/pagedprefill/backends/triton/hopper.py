@@ -37,7 +37,9 @@ class Config:
     satisfy ``128 * consumers * consumer_regs + 32 * load_warps * load_regs <= 65536``.
     """
 
-    BLOCK_N: int = 64  # keys per pipeline stage
+    # keys per pipeline stage; 128 (FA3's causal D 128 tile, with consumers=2) is no rule's choice: a
+    # knob kept correct on every path, the instrument for tile-shape attempts (decisions.md: 3-36% slower)
+    BLOCK_N: int = 64
     stages: int = 5  # K/V shared-memory ring depth (fewer where Q and the ring would not fit)
     consumers: int = 3  # softmax/MMA warpgroups of 64 rows each (2 or 3)
     load_warps: int = 4  # (not where one warp issues the TMA copies: see `issues_alone`)
