@@ -549,6 +549,24 @@ def test_positional_run_arguments_point_to_the_scale_keywords():
     check(case, w.run(kw["q"], cache, q_scale=1.0, k_scale=1.0, v_scale=1.0), None, atol=2e-5)
 
 
+def test_an_8_bit_output_dtype_is_refused_at_plan():
+    """o_data_type=float8 (FlashInfer takes it; no backend here writes an 8-bit O): refused by plan, in
+    both wrappers, before any run."""
+    case = _case()
+    kw = case.kwargs
+    indptr, indices, last = _csr(case)
+    w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(kw["workspace_buffer"], "NHD")
+    e4m3 = torch.float8_e4m3fn
+    with pytest.raises(NotImplementedError, match="^o_data_type: an 8-bit output"):
+        w.plan(_qo_indptr(case), indptr, indices, last, 6, 2, 32, 4, q_data_type=e4m3, o_data_type=e4m3)
+    r = pagedprefill.BatchPrefillWithRaggedKVCacheWrapper(kw["workspace_buffer"])
+    kv = torch.tensor([0, *torch.tensor(case.lens_kv).cumsum(0).tolist()], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="^o_data_type: an 8-bit output"):
+        r.plan(_qo_indptr(case), kv, 6, 2, 32, q_data_type=BF16, o_data_type="float8_e4m3fn")
+    with pytest.raises(ValueError, match="^o_data_type: expected torch.float16"):
+        r.plan(_qo_indptr(case), kv, 6, 2, 32, q_data_type=BF16, o_data_type=torch.int8)
+
+
 def test_run_checks_the_planned_dtypes_and_layout():
     case = _case()
     kw = case.kwargs

@@ -344,6 +344,9 @@ class _Wrapper:
         self._non_blocking = bool(args["non_blocking"])
         q_dt = _dtype("q_data_type", args["q_data_type"])
         kv_dt = _dtype("kv_data_type", args["kv_data_type"])
+        o_dt = _dtype("o_data_type", args["o_data_type"])
+        if o_dt is not None and q_dt is not None:  # (an output dtype no run could write: refused at plan)
+            normalise.resolve_out_dtype(q_dt, o_dt, None)
         self._dtypes = (q_dt, kv_dt if kv_dt is not None else q_dt)
 
     def _make_plan(self, args: dict, names: dict, qo_indptr, page_size, lens_q, max_q, max_kv, **vecs) -> None:
