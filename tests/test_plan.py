@@ -227,6 +227,31 @@ def test_plan_arguments_are_checked():
         )
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(actual_seq_lens_q=None), "^actual_seq_lens_q: expected a .B,. int32/int64 tensor of lengths, got None"),
+        (dict(actual_seq_lens_q=[5, 2]), "^actual_seq_lens_q: expected an int32/int64 torch.Tensor"),
+        (dict(actual_seq_lens_q=torch.tensor([-1, -2])), "^actual_seq_lens_q: expected non-negative lengths"),
+        (dict(actual_seq_lens_kv=torch.tensor([9.0, 4.0])), "^actual_seq_lens_kv: expected dtype int32 or int64"),
+        (dict(kv_last_page_len=torch.tensor([1, 4, 2])), "^kv_last_page_len: expected 2 entries"),
+        (dict(kv_last_page_len=torch.tensor([[1, 4]])), "^kv_last_page_len: expected shape"),
+        (dict(kv_indptr=[0, 3, 4]), "^kv_indptr: expected an int32/int64 torch.Tensor"),
+        (dict(kv_last_page_len=None), "^kv_last_page_len: expected a tensor"),
+    ],
+)
+def test_plan_names_a_bad_length_vector_without_maxima(kwargs, message):
+    """Without max_token_per_sequence / max_sequence_kv, plan() takes the maxima from the host vectors:
+    a missing or bad vector is named itself (never the maximum the caller did not pass)."""
+    case = make_case(9, lens_q=[5, 2], lens_kv=[9, 4], hq=4, hkv=2, dqk=32, page_size=4)
+    csr = "kv_indptr" in kwargs or "kv_last_page_len" in kwargs
+    base = dict(max_token_per_sequence=None, max_sequence_kv=None)
+    if csr:
+        base.update(block_tables=None, **to_csr(case))
+    with pytest.raises(ValueError, match=message):
+        plan_of(case, **{**base, **kwargs})
+
+
 def test_plan_defaults_scale_and_maxima_from_host_lengths():
     case = make_case(10, lens_q=[5, 2], lens_kv=[9, 4], hq=4, hkv=2, dqk=32, page_size=4, max_q=5, max_kv=9)
     kw = case.kwargs

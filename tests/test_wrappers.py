@@ -720,6 +720,47 @@ def test_paged_plan_checks_csr_pages_beside_a_block_table():
         plan(indptr=indptr[:-1])
 
 
+def test_a_failed_plan_keeps_the_planned_dtypes():
+    """A plan that raises leaves the wrapper as it was: its last plan still runs with that plan's q
+    dtype (the failed one asked for another)."""
+    case = _case(dtype=F16)
+    kw = case.kwargs
+    indptr, indices, last = _csr(case)
+    w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(kw["workspace_buffer"], "HND")
+    plan = functools.partial(w.plan, _qo_indptr(case), indptr, indices, last, causal=kw["causal"],
+                             sm_scale=kw["scale"])  # fmt: skip
+    plan(6, 2, 32, 4, q_data_type=F16)
+    with pytest.raises(ValueError, match="^num_qo_heads"):
+        plan(5, 2, 32, 4, q_data_type=BF16, non_blocking=False)
+    assert w._non_blocking is True
+    check(case, w.run(kw["q"], (kw["k_cache"], kw["v_cache"])), None, atol=atol_for(F16))
+
+
+def test_cudnn_form_checks_seq_lens_and_the_table_rows():
+    """seq_lens + block_tables beside CSR pages: a seq_lens that is no length tensor, or a table whose
+    rows are not the batch's, is named (never an IndexError or AttributeError)."""
+    case = _case(causal=True)
+    kw = case.kwargs
+    indptr, indices, last = _csr(case)
+    table, lens = kw["block_tables"].cpu(), torch.tensor(case.lens_kv, dtype=torch.int32)
+    w = pagedprefill.BatchPrefillWithPagedKVCacheWrapper(kw["workspace_buffer"], "HND")
+
+    def plan(lens=lens, table=table):
+        w.plan(_qo_indptr(case), indptr, indices.cpu(), last, 6, 2, 32, 4, q_data_type=F32, causal=True,
+               seq_lens=lens, block_tables=table)  # fmt: skip
+
+    with pytest.raises(ValueError, match="^seq_lens: expected an int32/int64 torch.Tensor"):
+        plan(lens=list(case.lens_kv))
+    with pytest.raises(ValueError, match="^seq_lens: expected 4 entries"):
+        plan(lens=lens[:3])
+    with pytest.raises(ValueError, match="^block_tables: expected a .B, width. tensor of page ids with B = 4 rows"):
+        plan(table=table[:2])
+    with pytest.raises(ValueError, match="^block_tables: expected a .B, width. tensor"):
+        plan(table=table.reshape(-1))
+    plan()
+    check(case, w.run(kw["q"], (kw["k_cache"], kw["v_cache"])), None, atol=2e-5)
+
+
 def test_plan_names_a_decreasing_indptr():
     case = _case()
     kw = case.kwargs

@@ -392,14 +392,14 @@ def plan(
     max_q = (
         max_token_per_sequence
         if max_token_per_sequence is not None
-        else _host_max("max_token_per_sequence", actual_seq_lens_q)
+        else _host_max("max_token_per_sequence", "actual_seq_lens_q", actual_seq_lens_q)
     )
     if max_sequence_kv is not None:
         max_kv = max_sequence_kv
     elif csr:
         max_kv = _csr_max(kv_indptr, kv_last_page_len, ps)
     else:
-        max_kv = _host_max("max_sequence_kv", actual_seq_lens_kv)
+        max_kv = _host_max("max_sequence_kv", "actual_seq_lens_kv", actual_seq_lens_kv)
     offsets = dict(
         q=batch_offsets_q, o=batch_offsets_o, k=batch_offsets_k, v=batch_offsets_v, stats=batch_offsets_stats
     )
@@ -443,25 +443,34 @@ def plan(
     return p
 
 
-def _host_max(name: str, lens: object) -> int:
-    if isinstance(lens, Tensor) and lens.device.type == "cpu" and lens.numel():
-        return int(lens.max())
-    if isinstance(lens, Tensor) and lens.numel() == 0:
-        return 0
-    raise fail(name, "an int (required when the lengths are on the device: reading them would sync)", None)
+def _host_max(name: str, lens_name: str, lens: object) -> int:
+    """The largest of host lengths ``lens`` (0 at least: a negative one is named by the lengths' own
+    check), for a plan given no ``name``; the vector is checked first, so a bad one is named itself."""
+    if lens is None:
+        raise fail(lens_name, "a (B,) int32/int64 tensor of lengths", None)
+    lens = normalise.vector(lens_name, lens, None, lens.device if isinstance(lens, Tensor) else _CPU, False)
+    if lens.device.type != "cpu":
+        raise fail(name, "an int (required when the lengths are on the device: reading them would sync)", None)
+    return max(int(lens.max()), 0) if lens.numel() else 0
 
 
 def _csr_max(indptr: object, last: object, page_size: int) -> int:
-    if (
-        isinstance(indptr, Tensor)
-        and isinstance(last, Tensor)
-        and indptr.device.type == "cpu"
-        and last.device.type == "cpu"
-    ):
-        n = (indptr.reshape(-1)[1:] - indptr.reshape(-1)[:-1]).clamp(min=0)
-        lens = torch.where(n > 0, (n - 1) * page_size + last.reshape(-1), 0)
-        return int(lens.max()) if lens.numel() else 0
-    raise fail("max_sequence_kv", "an int (required when kv_indptr is on the device: reading it would sync)", None)
+    """The largest KV length of host CSR pages (see :func:`_host_max`); the vectors are checked first."""
+    for name, t in (("kv_indptr", indptr), ("kv_last_page_len", last)):
+        if t is None:
+            raise fail(name, "a tensor (CSR pages need kv_indptr, kv_indices and kv_last_page_len)", None)
+    indptr = normalise.vector("kv_indptr", indptr, None, indptr.device if isinstance(indptr, Tensor) else _CPU, False)
+    last = normalise.vector(
+        "kv_last_page_len", last, indptr.shape[0] - 1, last.device if isinstance(last, Tensor) else _CPU, False
+    )
+    if indptr.device.type != "cpu" or last.device.type != "cpu":
+        raise fail("max_sequence_kv", "an int (required when kv_indptr is on the device: reading it would sync)", None)
+    n = (indptr[1:] - indptr[:-1]).clamp(min=0)
+    lens = torch.where(n > 0, (n - 1) * page_size + last, 0)
+    return max(int(lens.max()), 0) if lens.numel() else 0
+
+
+_CPU = torch.device("cpu")
 
 
 def clear_caches() -> None:

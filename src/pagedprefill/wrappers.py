@@ -137,17 +137,17 @@ def _beside_qo(name: str, t: object, qo: Tensor, fewer: int, device: torch.devic
 def _all_or_nothing(plan):
     """A ``plan`` that leaves the wrapper as it was when it raises: with ``use_cuda_graph`` the new
     values reach the wrapper's buffers (which the last plan, and any graph captured from it, read at
-    every run) only once the new plan has been made, and the bounds and batch size a first plan fixes
-    are restored."""
+    every run) only once the new plan has been made, and the bounds and batch size a first plan fixes,
+    the planned dtypes and ``non_blocking`` are restored."""
 
     @functools.wraps(plan)
     def planned(self, *args, **kwargs) -> None:
-        saved = (self._bounds, self._batch)
+        saved = (self._bounds, self._batch, self._dtypes, self._non_blocking)
         self._pending = []
         try:
             plan(self, *args, **kwargs)
         except BaseException:
-            self._bounds, self._batch = saved
+            self._bounds, self._batch, self._dtypes, self._non_blocking = saved
             for buf, values, filled in reversed(self._pending):
                 if filled:  # (a CPU buffer, filled while the plan read it: its old values back)
                     buf.copy_(values)
@@ -593,6 +593,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         if block_tables is not None:
             if seq_lens is None:
                 raise fail("seq_lens", "the (B,) KV lengths that go with block_tables", None)
+            seq_lens = normalise.vector("seq_lens", seq_lens, lens_q.shape[0], self._workspace.device, False)
             kv = dict(block_tables=block_tables, actual_seq_lens_kv=seq_lens)
             kv_host = seq_lens.tolist() if seq_lens.device.type == "cpu" else None
             _check_csr_beside_table(
@@ -937,6 +938,8 @@ def _check_csr_beside_table(indptr, indices, last, seq_lens, table, page_size: i
     if not isinstance(seq_lens, Tensor) or not isinstance(table, Tensor):
         return  # (the plan's own checks name them)
     bsz = seq_lens.numel()
+    if table.dim() != 2 or table.shape[0] != bsz:
+        raise fail("block_tables", f"a (B, width) tensor of page ids with B = {bsz} rows (seq_lens)", describe(table))
     indptr = normalise.vector("paged_kv_indptr", indptr, bsz + 1, seq_lens.device, False)
     last = normalise.vector("paged_kv_last_page_len", last, bsz, seq_lens.device, False)
     if not isinstance(indices, Tensor):
