@@ -601,6 +601,31 @@ def test_ragged_v_offsets_default_to_k_offsets(units):
     check_case(case, out, lse)
 
 
+@pytest.mark.parametrize("omit", ["q", "kv", "both"])
+def test_lengths_come_from_token_indptrs_when_omitted(omit):
+    """As in FlashInfer: with batch_offsets_units="tokens", a call may omit actual_seq_lens_q (then
+    batch_offsets_q's differences) and, K/V ragged, actual_seq_lens_kv (batch_offsets_k's); a
+    decreasing indptr is named, and a paged call still needs its KV lengths."""
+    case = make_case(26, lens_q=[3, 0, 6, 1], lens_kv=[5, 2, 6, 9], hq=6, hkv=2, offsets="tokens", page_size=0)
+    kw = case.kwargs
+    assert kw["batch_offsets_q"].tolist() == [0, 3, 3, 9, 10]  # (packed: the differences are the lengths)
+    if omit in ("q", "both"):
+        kw["actual_seq_lens_q"] = None
+    if omit in ("kv", "both"):
+        kw["actual_seq_lens_kv"] = None
+    out, lse = call(case, backend="torch")
+    check_case(case, out, lse)
+    kw["actual_seq_lens_q"] = kw["actual_seq_lens_kv"] = None
+    bad = kw["batch_offsets_q"].clone()
+    bad[2] = 1
+    with pytest.raises(ValueError, match="^batch_offsets_q: expected non-decreasing token offsets"):
+        call(case, backend="torch", batch_offsets_q=bad)
+    paged = make_case(27, lens_q=[3, 5], lens_kv=[5, 6], offsets="tokens", page_size=4)
+    paged.kwargs["actual_seq_lens_kv"] = None
+    with pytest.raises(ValueError, match="^actual_seq_lens_kv: expected a .B,. int tensor"):
+        call(paged, backend="torch")
+
+
 def test_packed_lse_in_tokens_and_elements():
     for units in ("elements", "tokens"):
         case = make_case(25, lens_q=[3, 0, 4], lens_kv=[5, 2, 6], offsets=units, lse_layout="packed")

@@ -83,7 +83,11 @@ def cudnn_batch_prefill_with_kv_cache(
         max_token_per_sequence: upper bound of ``actual_seq_lens_q`` (s_qo_max).
         max_sequence_kv: upper bound of ``actual_seq_lens_kv`` (s_kv_max).
         actual_seq_lens_q, actual_seq_lens_kv: (B,) or (B,1,1,1) int32/int64, on the CPU (validated)
-            or on q's device (never read back: clamped on the device; no host sync).
+            or on q's device (never read back: clamped on the device; no host sync). As in
+            FlashInfer, either may be None with ``batch_offsets_units="tokens"``: q's lengths are
+            then the differences of ``batch_offsets_q``, and (ragged K/V) the KV lengths those of
+            ``batch_offsets_k`` (sequences packed back to back; computed at every call, on the
+            offsets' device).
         block_tables: (B, max_pages_per_seq) int32; row b lists sequence b's pages in order.
         causal: bottom-right aligned causal mask (query i sees keys j <= i + kv_len - q_len).
         return_lse: also return the natural-log log-sum-exp of the scaled logits.
@@ -114,6 +118,11 @@ def cudnn_batch_prefill_with_kv_cache(
         (out, lse): lse is None unless ``return_lse``. Rows with no visible key get out 0 and lse
         -inf (the sink with ``sinks``).
     """
+    if batch_offsets_units == "tokens":  # (FlashInfer's lengths from token indptrs)
+        if actual_seq_lens_q is None and batch_offsets_q is not None:
+            actual_seq_lens_q = _lengths_of("batch_offsets_q", batch_offsets_q)
+        if actual_seq_lens_kv is None and block_tables is None and batch_offsets_k is not None:
+            actual_seq_lens_kv = _lengths_of("batch_offsets_k", batch_offsets_k)
     offsets = (batch_offsets_q, batch_offsets_o, batch_offsets_k, batch_offsets_v, batch_offsets_stats)
     scales = (q_scale, k_scale, v_scale)
     scalars = (
@@ -471,6 +480,18 @@ def _csr_max(indptr: object, last: object, page_size: int) -> int:
 
 
 _CPU = torch.device("cpu")
+
+
+def _lengths_of(name: str, indptr: object) -> Tensor:
+    """The lengths a (B+1,) token indptr gives (its differences), for a call that omits them; on the
+    host, a decreasing indptr is named here (not the lengths the caller did not pass)."""
+    t = normalise.vector(name, indptr, None, indptr.device if isinstance(indptr, Tensor) else _CPU, False)
+    if t.shape[0] < 1:
+        raise fail(name, "B + 1 >= 1 token offsets (the lengths are their differences)", "an empty tensor")
+    lens = t[1:] - t[:-1]
+    if t.is_cpu and lens.numel() and int(lens.min()) < 0:
+        raise fail(name, "non-decreasing token offsets (the lengths are their differences)", t.tolist()[:8])
+    return lens
 
 
 def clear_caches() -> None:
