@@ -144,8 +144,8 @@ def check_sampled(case, out, lse, *, atol, lse_atol=None, per_seq=6, seed=0):
         assert err <= atol, f"out of sequence {b} row {i}: max error {err:.3g} > {atol}"
         if flat is not None:
             got = flat[lse_off(b, i) : lse_off(b, i) + hq]
-            inf = torch.isinf(l_ref)
-            assert (torch.isinf(got) == inf).all(), f"lse of sequence {b} row {i}: -inf mismatch"
+            inf = torch.isneginf(l_ref)
+            assert torch.equal(torch.isneginf(got), inf), f"lse of sequence {b} row {i}: -inf mismatch"
             assert ((got[~inf] - l_ref[~inf]).abs() <= latol).all(), f"lse of sequence {b} row {i}"
     covered = torch.zeros(out.shape[0], dtype=torch.bool)
     touched = torch.zeros(flat.numel() if flat is not None else 0, dtype=torch.bool)
@@ -156,10 +156,14 @@ def check_sampled(case, out, lse, *, atol, lse_atol=None, per_seq=6, seed=0):
     assert torch.isfinite(out_c[covered]).all(), "a covered out row is not finite (unwritten?)"
     if case.kwargs.get("out") is not None:
         assert torch.isnan(out_c[~covered]).all(), "an uncovered out row was written"
+    else:  # (an out the call allocated: 0 where no sequence writes)
+        assert (out_c[~covered] == 0).all(), "an uncovered row of the allocated out is not 0"
     if flat is not None:
         assert not torch.isnan(flat[touched]).any(), "a covered lse entry was not written"
         if case.kwargs.get("lse") is not None:
             assert torch.isnan(flat[~touched]).all(), "an uncovered lse entry was written"
+        else:  # (an allocated LSE: -inf where no sequence writes)
+            assert torch.isneginf(flat[~touched]).all(), "an uncovered entry of the allocated lse is not -inf"
 
 
 # GQA shapes of the random grids: MHA, MQA, and groups of 2-8 including the odd ones (3, 5, 6, 7)

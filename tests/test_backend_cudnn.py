@@ -618,7 +618,7 @@ def _random_case(seed, **over):
     kw = dict(
         lens_q=lens_q,
         lens_kv=lens_kv,
-        hq=hkv * rng.choice([1, 2, 4]),
+        hq=hkv * rng.choice([1, 2, 3, 4, 5, 6, 7]),
         hkv=hkv,
         dqk=dqk,
         dvo=dvo,
@@ -1051,7 +1051,7 @@ def test_random_against_oracle(seed):
     page_size = rng.choice([0, 1, 16, 64])
     kv_layout = "interleaved" if dqk == dvo and rng.random() < 0.3 else rng.choice(["nhd", "hnd"])
     hkv = rng.choice([1, 2, 4])
-    hq = hkv * rng.choice([1, 2, 4])
+    hq = hkv * rng.choice([1, 2, 3, 4, 5, 6, 7])
     bsz = rng.randint(1, 5)
     lens_q = [rng.randint(0, 40) for _ in range(bsz)]
     lens_kv = [rng.randint(0, 120) for _ in range(bsz)]

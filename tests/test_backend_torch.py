@@ -77,7 +77,7 @@ def seq_kv(case, b, which):
 # 1. Randomised correctness over the argument space
 # --------------------------------------------------------------------------------------------
 
-HEADS = [(4, 4), (4, 2), (8, 2), (4, 1), (6, 3), (3, 1)]  # MHA, GQA 2 / 4, MQA, odd groups
+HEADS = [(4, 4), (4, 2), (8, 2), (4, 1), (6, 3), (3, 1), (10, 2), (12, 2), (7, 1)]  # MHA, GQA 2 / 4, MQA, 3 / 5 / 6 / 7
 DIMS = [(64, 64), (192, 128), (128, 128), (16, 16), (8, 8), (32, 16)]
 DTYPES = [  # (q dtype, kv dtype)
     (F32, F32),
@@ -138,13 +138,16 @@ def grid_config(i: int) -> dict:
         len_4d=r.random() < 0.3,
         graph=r.random() < 0.2,
         entry=r.choice(["cudnn:torch", "cudnn:None", "cudnn:auto", "auto:default", "auto:torch"]),
+        window_left=r.choice([-1, -1, 0, 3, 11]),
+        logits_soft_cap=r.choice([0.0, 0.0, 0.0, 5.0]),
+        sinks=r.random() < 0.3,
     )
 
 
 def build(cfg: dict):
     keys = (
         "lens_q lens_kv hq hkv dqk dvo page_size kv_layout dtype kv_dtype causal offsets gaps "
-        "lse_layout return_lse extra_table_cols max_q max_kv with_out"
+        "lse_layout return_lse extra_table_cols max_q max_kv with_out window_left logits_soft_cap sinks"
     ).split()
     case = make_case(cfg["seed"], **{k: cfg[k] for k in keys})
     kw = case.kwargs
@@ -171,6 +174,8 @@ def grid_id(i: int) -> str:
         f"-H{c['hq']}/{c['hkv']}-D{c['dqk']}/{c['dvo']}-{'causal' if c['causal'] else 'full'}"
         f"-off_{c['offsets']}{'+gaps' if c['gaps'] else ''}"
         f"-lse_{c['lse_layout'] if c['return_lse'] else 'none'}"
+        f"{'-w' + str(c['window_left']) if c['window_left'] >= 0 else ''}{'-cap' if c['logits_soft_cap'] else ''}"
+        f"{'-sinks' if c['sinks'] else ''}"
     )
 
 
@@ -624,6 +629,19 @@ def test_lengths_come_from_token_indptrs_when_omitted(omit):
     paged.kwargs["actual_seq_lens_kv"] = None
     with pytest.raises(ValueError, match="^actual_seq_lens_kv: expected a .B,. int tensor"):
         call(paged, backend="torch")
+
+
+@pytest.mark.parametrize("window_left", [-1, 4])
+def test_query_rows_in_chunks_match_the_oracle(monkeypatch, window_left):
+    """The reference scores a sequence's queries in chunks of rows (a memory bound): with the bound
+    cut to 3 rows, chunked causal (windowed) rows still match the oracle (each chunk's absolute query
+    positions)."""
+    from pagedprefill.backends import torch_ref
+
+    case = make_case(28, lens_q=[10, 7], lens_kv=[15, 7], hq=6, hkv=2, dqk=16, window_left=window_left, sinks=True)
+    monkeypatch.setattr(torch_ref, "SCORE_BYTES", 4 * 6 * 15 * 3)
+    out, lse = call(case, backend="torch")
+    check_case(case, out, lse)
 
 
 def test_packed_lse_in_tokens_and_elements():

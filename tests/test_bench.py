@@ -832,9 +832,12 @@ def test_gpu_bench_cuda_graph_smoke(tmp_path, capsys):
     rc = cli.main([*args, "--reps", "3", "--out-json", str(out)])
     text = capsys.readouterr().out
     assert rc == 0, text
-    for r in _rows(out):
+    rows = _rows(out)
+    for r in rows:
         assert r["cuda_graph"] is True and r["lengths_on"] == "device", r
         assert r.get("skipped") or (r["ok"] is True and r["timer"].startswith("cuda-graph replay")), r
+    ran = {r["backend"] for r in rows if not r.get("skipped")}
+    assert {"cudnn", "triton"} <= ran, ran  # (the references may be missing; our backends may not)
 
 
 @pytest.mark.gpu

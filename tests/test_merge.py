@@ -63,13 +63,14 @@ def test_merge_state_matches_float64(dtype, base):
     assert not torch.isnan(out).any()
 
 
+@pytest.mark.parametrize("base", ["e", 2])
 @pytest.mark.parametrize("n", [1, 3, 5])
-def test_merge_states_matches_float64(n):
+def test_merge_states_matches_float64(n, base):
     vs, ss = _states(n, seed=n)
     v = torch.stack(vs, 1)
     s = torch.stack(ss, 1)
-    out, lse = pagedprefill.merge_states(v, s)
-    ref_o, ref_l = _ref(vs, ss)
+    out, lse = pagedprefill.merge_states(v, s, lse_base=base)
+    ref_o, ref_l = _ref(vs, ss, base2=base == 2)
     torch.testing.assert_close(out.double().cpu(), ref_o.cpu(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double().cpu(), ref_l.cpu(), atol=1e-5, rtol=1e-5)
 
@@ -81,6 +82,7 @@ def test_non_contiguous_inputs():
     out, lse = pagedprefill.merge_state(vs[0], ss[0], wide[..., :80], ss[1].t().contiguous().t())
     ref_o, ref_l = _ref(vs, ss)
     torch.testing.assert_close(out.double().cpu(), ref_o.cpu(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double().cpu(), ref_l.cpu(), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ["torch"] + (["triton", "cudnn"] if HAS_CUDA else []))
@@ -128,6 +130,14 @@ def test_merging_two_key_ranges_equals_attention_over_both(backend):
     check(full, out, merged_lse, atol=2e-5 if dtype == torch.float32 else 2.5e-2, lse_atol=1e-3)
 
 
+def test_no_tokens_merge_to_empty_results():
+    vs, ss = _states(2)
+    out, lse = pagedprefill.merge_state(vs[0][:0], ss[0][:0], vs[1][:0], ss[1][:0])
+    assert out.shape == (0, 5, 80) and lse.shape == (0, 5) and lse.dtype == torch.float32
+    out, lse = pagedprefill.merge_states(torch.stack(vs, 1)[:0], torch.stack(ss, 1)[:0])
+    assert out.shape == (0, 5, 80) and lse.shape == (0, 5)
+
+
 def test_bad_arguments_name_themselves():
     vs, ss = _states(2)
     with pytest.raises(ValueError, match="^s_b: expected a float32 tensor of shape"):
@@ -144,6 +154,12 @@ def test_bad_arguments_name_themselves():
         pagedprefill.merge_state(vs[0][..., :0], ss[0], vs[1][..., :0], ss[1])
     with pytest.raises(ValueError, match="^v: expected at least one state to merge"):
         pagedprefill.merge_states(torch.stack(vs, 1)[:, :0], torch.stack(ss, 1)[:, :0])
+    with pytest.raises(ValueError, match="^v_b: expected dtype float16, bfloat16 or float32"):
+        pagedprefill.merge_state(vs[0], ss[0], vs[1].double(), ss[1])
+    with pytest.raises(ValueError, match="^v_a: expected unit stride on the last dimension"):
+        pagedprefill.merge_state(vs[0].transpose(1, 2).contiguous().transpose(1, 2), ss[0], vs[1], ss[1])
+    with pytest.raises(ValueError, match="^s_a: expected a tensor on"):
+        pagedprefill.merge_state(vs[0], ss[0].to("meta"), vs[1], ss[1])
 
 
 @pytest.mark.gpu
@@ -184,6 +200,7 @@ def test_torch_path_without_triton_matches_float64(monkeypatch, base):
     out, lse = pagedprefill.merge_states(torch.stack(vs, 1), torch.stack(ss, 1), lse_base=base)
     ref_o, ref_l = _ref(vs, ss, base2=base == 2)
     torch.testing.assert_close(out.double().cpu(), ref_o.cpu(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double().cpu(), ref_l.cpu(), atol=1e-5, rtol=1e-5)
 
 
 def test_flashinfer_merge_state_in_place():

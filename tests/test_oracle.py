@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+from helpers import check_sampled
 from oracle import check, make_case, reference, reference_rows
 
 from pagedprefill import cudnn_batch_prefill_with_kv_cache
@@ -117,3 +118,48 @@ def test_check_fails_on_each_kind_of_error(seed):
             lz.view(-1)[r.choice(no_key)] = 0.0
         with pytest.raises(AssertionError, match=msg):
             check(case, o, lz, atol=2e-3)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_check_sampled_fails_on_each_kind_of_error(seed):
+    """The sampled check of long cases (every row sampled here) fails as ``check`` does, on a +inf
+    LSE where -inf is due too, and on a write to an uncovered LSE entry of a given buffer."""
+    case = _random_case(
+        200 + seed,
+        lens_q=[7, 0, 12],
+        lens_kv=[3, 4, 20],
+        causal=True,
+        gaps=True,
+        offsets="tokens",
+        dtype=torch.float32,
+        kv_dtype=None,
+        lse_layout="padded",
+    )
+    out, lse = cudnn_batch_prefill_with_kv_cache(**case.kwargs, backend="torch")
+    check_sampled(case, out, lse, atol=2e-3, per_seq=40)
+    covered = sorted({case.o_start[b] + i for b, lq in enumerate(case.lens_q) for i in range(lq)})
+    uncovered = [r for r in range(out.shape[0]) if r not in covered]
+    hq, max_q = out.shape[1], case.kwargs["max_token_per_sequence"]
+    no_key = [i * hq for i in range(case.lens_q[0] - case.lens_kv[0])]  # (sequence 0's first rows)
+    unused = [max_q * hq + h for h in range(hq)]  # (sequence 1 has no query: its LSE rows stay as given)
+    r = random.Random(seed)
+    for corrupt, msg in (
+        ("wrong", "max error"),
+        ("unwritten", "max error nan"),
+        ("stray", "uncovered out row"),
+        ("lse_plus_inf", "-inf mismatch"),
+        ("lse_stray", "uncovered lse entry"),
+    ):
+        o, lz = out.clone(), lse.clone()
+        if corrupt == "wrong":
+            o[r.choice(covered), r.randrange(hq), r.randrange(o.shape[2])] += 0.05
+        elif corrupt == "unwritten":
+            o[r.choice(covered), r.randrange(hq), r.randrange(o.shape[2])] = float("nan")
+        elif corrupt == "stray":
+            o[r.choice(uncovered)] = 0.0
+        elif corrupt == "lse_plus_inf":
+            lz.view(-1)[r.choice(no_key)] = float("inf")
+        else:
+            lz.view(-1)[r.choice(unused)] = 0.0
+        with pytest.raises(AssertionError, match=msg):
+            check_sampled(case, o, lz, atol=2e-3, per_seq=40)

@@ -76,6 +76,10 @@ def test_csr_arguments_are_checked():
         bad[1] = 10**6
         p = plan_of(case, csr=True, kv_indices=bad)
         p.run(case.kwargs["q"], case.kwargs["k_cache"], case.kwargs["v_cache"])
+    with pytest.raises(ValueError, match="^block_tables: expected None when kv_indptr / kv_indices give the pages"):
+        plan_of(case, csr=True, block_tables=case.kwargs["block_tables"])
+    with pytest.raises(ValueError, match="^actual_seq_lens_kv: expected None with CSR pages"):
+        plan_of(case, csr=True, actual_seq_lens_kv=case.kwargs["actual_seq_lens_kv"], max_sequence_kv=20)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -111,6 +111,23 @@ def test_bad_lengths_after_a_cached_call_still_raise(normalise_calls):
     assert torch.equal(before.view(torch.int32), a.kwargs["out"].view(torch.int32))
 
 
+def test_bad_page_ids_after_a_cached_call_still_raise(normalise_calls):
+    """A CPU block table is read at every call: a page id made out of range in place after a cached
+    call is refused by name on the next one (never clamped), and nothing is written."""
+    a = make_case(4, **dict(RAGGED, page_size=4))
+    cudnn_batch_prefill_with_kv_cache(**a.kwargs, backend="torch")
+    cudnn_batch_prefill_with_kv_cache(**a.kwargs, backend="torch")
+    assert len(normalise_calls) == 1
+    table = a.kwargs["block_tables"]
+    assert table.device.type == "cpu"
+    table[1, 0] = 10**6
+    a.kwargs["out"].fill_(float("nan"))
+    before = a.kwargs["out"].clone()
+    with pytest.raises(ValueError, match=r"^block_tables: expected page ids in \[0, "):
+        cudnn_batch_prefill_with_kv_cache(**a.kwargs, backend="torch")
+    assert torch.equal(before.view(torch.int32), a.kwargs["out"].view(torch.int32))
+
+
 @pytest.mark.parametrize("name", ["causal", "return_lse", "max_token_per_sequence", "scale"])
 def test_misuse_after_a_cached_call_still_raises(normalise_calls, name):
     """The cache's key holds the scalars' types: True == 1 == 1.0, yet a call refused on a cold cache
