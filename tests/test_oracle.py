@@ -54,6 +54,12 @@ def _random_case(seed: int, **over):
     return make_case(seed, **params)
 
 
+def _corruptible_case(seed: int, **over):
+    """A float32 case with gap rows in out, an empty sequence and causal rows without keys."""
+    fixed = dict(lens_q=[7, 0, 12], lens_kv=[3, 4, 20], causal=True, gaps=True, offsets="tokens")
+    return _random_case(seed, **fixed, dtype=torch.float32, kv_dtype=None, **over)
+
+
 @pytest.mark.parametrize("seed", range(24))
 def test_reference_agrees_with_reference_rows(seed):
     case = _random_case(seed)
@@ -73,16 +79,7 @@ def test_reference_agrees_with_reference_rows(seed):
 def test_check_fails_on_each_kind_of_error(seed):
     """A correct result passes; one wrong value, one unwritten (NaN) covered value, one write to an
     uncovered row, one wrong or unwritten lse entry, and a finite lse where -inf is due each fail."""
-    case = _random_case(
-        100 + seed,
-        lens_q=[7, 0, 12],
-        lens_kv=[3, 4, 20],
-        causal=True,
-        gaps=True,
-        offsets="tokens",
-        dtype=torch.float32,
-        kv_dtype=None,
-    )
+    case = _corruptible_case(100 + seed)
     out, lse = cudnn_batch_prefill_with_kv_cache(**case.kwargs, backend="torch")
     check(case, out, lse, atol=2e-3)
     covered = {case.o_start[b] + i for b, lq in enumerate(case.lens_q) for i in range(lq)}
@@ -124,17 +121,7 @@ def test_check_fails_on_each_kind_of_error(seed):
 def test_check_sampled_fails_on_each_kind_of_error(seed):
     """The sampled check of long cases (every row sampled here) fails as ``check`` does, on a +inf
     LSE where -inf is due too, and on a write to an uncovered LSE entry of a given buffer."""
-    case = _random_case(
-        200 + seed,
-        lens_q=[7, 0, 12],
-        lens_kv=[3, 4, 20],
-        causal=True,
-        gaps=True,
-        offsets="tokens",
-        dtype=torch.float32,
-        kv_dtype=None,
-        lse_layout="padded",
-    )
+    case = _corruptible_case(200 + seed, lse_layout="padded")
     out, lse = cudnn_batch_prefill_with_kv_cache(**case.kwargs, backend="torch")
     check_sampled(case, out, lse, atol=2e-3, per_seq=40)
     covered = sorted({case.o_start[b] + i for b, lq in enumerate(case.lens_q) for i in range(lq)})
