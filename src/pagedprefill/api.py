@@ -457,7 +457,7 @@ def _host_max(name: str, lens_name: str, lens: object) -> int:
     check), for a plan given no ``name``; the vector is checked first, so a bad one is named itself."""
     if lens is None:
         raise fail(lens_name, "a (B,) int32/int64 tensor of lengths", None)
-    lens = normalise.vector(lens_name, lens, None, lens.device if isinstance(lens, Tensor) else _CPU, False)
+    lens = _vector(lens_name, lens)
     if lens.device.type != "cpu":
         raise fail(name, "an int (required when the lengths are on the device: reading them would sync)", None)
     return max(int(lens.max()), 0) if lens.numel() else 0
@@ -468,10 +468,8 @@ def _csr_max(indptr: object, last: object, page_size: int) -> int:
     for name, t in (("kv_indptr", indptr), ("kv_last_page_len", last)):
         if t is None:
             raise fail(name, "a tensor (CSR pages need kv_indptr, kv_indices and kv_last_page_len)", None)
-    indptr = normalise.vector("kv_indptr", indptr, None, indptr.device if isinstance(indptr, Tensor) else _CPU, False)
-    last = normalise.vector(
-        "kv_last_page_len", last, indptr.shape[0] - 1, last.device if isinstance(last, Tensor) else _CPU, False
-    )
+    indptr = _vector("kv_indptr", indptr)
+    last = _vector("kv_last_page_len", last, indptr.shape[0] - 1)
     if indptr.device.type != "cpu" or last.device.type != "cpu":
         raise fail("max_sequence_kv", "an int (required when kv_indptr is on the device: reading it would sync)", None)
     n = (indptr[1:] - indptr[:-1]).clamp(min=0)
@@ -479,13 +477,16 @@ def _csr_max(indptr: object, last: object, page_size: int) -> int:
     return max(int(lens.max()), 0) if lens.numel() else 0
 
 
-_CPU = torch.device("cpu")
+def _vector(name: str, t: object, length: int | None = None) -> Tensor:
+    """``t`` checked as a length / offset vector (``normalise.vector``) on whatever device it is on: the
+    batch's device is checked later, with the rest of the batch."""
+    return normalise.vector(name, t, length, t.device if isinstance(t, Tensor) else torch.device("cpu"), False)
 
 
 def _lengths_of(name: str, indptr: object) -> Tensor:
     """The lengths a (B+1,) token indptr gives (its differences), for a call that omits them; on the
     host, a decreasing indptr is named here (not the lengths the caller did not pass)."""
-    t = normalise.vector(name, indptr, None, indptr.device if isinstance(indptr, Tensor) else _CPU, False)
+    t = _vector(name, indptr)
     if t.shape[0] < 1:
         raise fail(name, "B + 1 >= 1 token offsets (the lengths are their differences)", "an empty tensor")
     lens = t[1:] - t[:-1]
