@@ -820,6 +820,28 @@ def test_gpu_bench_smoke(tmp_path, capsys):
 
 
 @pytest.mark.gpu
+def test_gpu_interleaved_timer_tells_calls_apart():
+    """``time_interleaved`` on two sleep kernels of 1:3 length reads them in that ratio (each median
+    its own call's), and a call that raises on the host is named by its index."""
+    from pagedprefill.bench import timing
+
+    cycles = int(timing.SleepCalibration.get() or 1e6) // 5  # (about 0.2 ms)
+    cfg = timing.TimingConfig(reps=20, warmup_ms=1.0)
+    (short_ms, long_ms), n, timer = timing.time_interleaved(
+        [lambda: torch.cuda._sleep(cycles), lambda: torch.cuda._sleep(3 * cycles)], cfg
+    )
+    assert n == 20 and timer.startswith("cuda-events") and "interleaved" in timer
+    assert 2.5 < long_ms / short_ms < 3.5, (short_ms, long_ms)
+
+    def boom():
+        raise ValueError("host side")
+
+    with pytest.raises(timing.CallFailed) as e:
+        timing.time_interleaved([lambda: torch.cuda._sleep(cycles), boom], cfg)
+    assert e.value.index == 1 and isinstance(e.value.error, ValueError)
+
+
+@pytest.mark.gpu
 def test_gpu_bench_cuda_graph_smoke(tmp_path, capsys):
     out = tmp_path / "r.json"
     args = [
@@ -898,7 +920,7 @@ def test_backends_are_timed_in_turn(monkeypatch):
         (rows[1], [("ms", lambda: "b")]),
         (rows[2], [("ms", lambda: "bad")]),
     ]
-    args = cli.build_parser().parse_args(["--rounds", "3"])
+    args = cli.build_parser().parse_args(["--rounds", "3", "--timer", "events"])
     sweep.time_in_turn(pending, args, Progress(0, "t"))
     assert order == ["a", "a16", "b", "bad"] + ["a", "a16", "b"] * 2
     # (the drift adds 0, 1, 2, ... in call order: a reads 1, 4, 7; a16 22, 25, 28; b 13, 16, 19)
@@ -910,6 +932,52 @@ def test_backends_are_timed_in_turn(monkeypatch):
     assert sweep.round_spread_note([dict(workload="w", backend="x", round_ms=[2.0])]) is None
     assert rows[0]["reps"] == 21 and rows[0]["timer"] == "fake-timer, 3 rounds in turn"
     assert rows[2]["ms"] is None and "boom" in rows[2]["error"] and "error" not in rows[1]
+
+
+def test_default_timer_runs_the_calls_run_by_run(monkeypatch):
+    """With the default timer each round times all live calls of a workload together, run by run
+    (``time_interleaved``); a call that raises on the host fails its own row and the round is timed
+    again without it; an error surfacing at a synchronisation fails every row of that round; a
+    single call left is timed alone."""
+    seen: list[list[str]] = []
+    drift = iter(range(100))
+
+    def fake_interleaved(fns, cfg):
+        names = [fn() for fn in fns]
+        seen.append(names)
+        if "bad" in names:
+            raise sweep.timing.CallFailed(names.index("bad"), RuntimeError("boom"))
+        d = next(drift)
+        return [{"a": 1.0, "a16": 2.0, "b": 3.0}[x] + d for x in names], 9, "fake-interleaved"
+
+    alone: list[str] = []
+    monkeypatch.setattr(sweep.timing, "time_interleaved", fake_interleaved)
+    monkeypatch.setattr(sweep.timing, "time_gpu", lambda fn, cfg, say: (alone.append(fn()) or 5.0, 4, "fake-alone"))
+    monkeypatch.setattr(sweep, "cuda_healthy", lambda: True)
+    rows = [dict(workload="w", backend=n, timer="eager") for n in ("x", "y", "z")]
+    pending = [
+        (rows[0], [("ms", lambda: "a"), ("wide_ms", lambda: "a16")]),
+        (rows[1], [("ms", lambda: "b")]),
+        (rows[2], [("ms", lambda: "bad")]),
+    ]
+    args = cli.build_parser().parse_args(["--rounds", "3"])
+    sweep.time_in_turn(pending, args, Progress(0, "t"))
+    assert seen == [["a", "a16", "b", "bad"]] + [["a", "a16", "b"]] * 3 and not alone
+    assert rows[0]["round_ms"] == [1.0, 2.0, 3.0] and rows[0]["ms"] == 2.0 and rows[0]["wide_ms"] == 3.0
+    assert rows[1]["round_ms"] == [3.0, 4.0, 5.0] and rows[1]["reps"] == 27
+    assert rows[1]["timer"] == "fake-interleaved, 3 rounds in turn"
+    assert "boom" in rows[2]["error"] and rows[2]["ms"] is None and "error" not in rows[0]
+
+    def sync_error(fns, cfg):
+        raise RuntimeError("unspecified launch failure")
+
+    monkeypatch.setattr(sweep.timing, "time_interleaved", sync_error)
+    rows = [dict(workload="w", backend=n, timer="eager") for n in ("x", "y", "z")]
+    pending = [(rows[0], [("ms", lambda: "a")]), (rows[1], [("ms", lambda: "b")])]
+    sweep.time_in_turn(pending, args, Progress(0, "t"))
+    assert all("launch failure" in r["error"] and r["ms"] is None for r in rows[:2])
+    sweep.time_in_turn([(rows[2], [("ms", lambda: "c")])], args, Progress(0, "t"))  # (one call: timed alone)
+    assert alone == ["c"] * 3 and rows[2]["ms"] == 5.0 and rows[2]["timer"] == "fake-alone, 3 rounds in turn"
 
 
 def test_timing_in_turn_keeps_what_was_measured_when_the_context_breaks(monkeypatch):
@@ -926,7 +994,7 @@ def test_timing_in_turn_keeps_what_was_measured_when_the_context_breaks(monkeypa
     monkeypatch.setattr(sweep.timing, "time_gpu", fake_time_gpu)
     monkeypatch.setattr(sweep, "cuda_healthy", lambda: False)
     rows = [dict(workload="w", backend=n, timer="cuda-graph replay") for n in ("x", "y")]
-    args = cli.build_parser().parse_args(["--rounds", "3"])
+    args = cli.build_parser().parse_args(["--rounds", "3", "--timer", "events"])
     with pytest.raises(RuntimeError, match="illegal address"):
         sweep.time_in_turn([(rows[0], [("ms", lambda: "a")]), (rows[1], [("ms", lambda: "b")])], args, Progress(0, "t"))
     assert rows[0]["ms"] == 2.0 and rows[0]["reps"] is None

@@ -133,34 +133,60 @@ def time_in_turn(pending: list[tuple[dict, list]], args: argparse.Namespace, pro
     """Time every pending call of one workload in ``args.rounds`` rounds, each backend in turn within a
     round (a slice of the budget each), and store the median of its rounds' medians in its row: a
     drift of the GPU's clocks over the workload's runs then reaches every backend alike, instead of
-    the ones timed last."""
+    the ones timed last. With the default timer a round runs the calls run by run in turn
+    (:func:`~pagedprefill.bench.timing.time_interleaved`), not one call's runs after another's."""
     rounds = max(1, args.rounds)
     reps = None if args.reps is None else max(1, args.reps // rounds)
     cfg = timing.TimingConfig(reps, args.warmup_ms / rounds, args.rep_ms / rounds, args.timer)
     got: dict[tuple[int, str], list[float]] = {}
     runs: dict[int, int] = {}
     timers: dict[int, str] = {}
+
+    def failed(rows: list[int], e: Exception) -> None:
+        """These rows' calls failed while timed: each row carries the error; a broken context stops all."""
+        for i in rows:
+            row = pending[i][0]
+            row.update(error=short(e), ms=None)
+            progress.write(f"  {row['workload']} / {row['backend']}: ERROR while timing: {short(e)}")
+        if isinstance(e, torch.cuda.OutOfMemoryError):
+            gc.collect()
+            torch.cuda.empty_cache()
+        elif not cuda_healthy():
+            raise e
+
+    def measured(i: int, key: str, ms: float, n: int | None, timer: str) -> None:
+        got.setdefault((i, key), []).append(ms)
+        if key == "ms":
+            runs[i] = None if n is None else (runs.get(i) or 0) + n
+            timers[i] = timer
+
     try:
         for _ in range(rounds):
-            for i, (row, timed) in enumerate(pending):
-                for key, fn in timed:
-                    if row.get("error"):
-                        break
-                    try:
-                        ms, n, timer = timing.time_gpu(fn, cfg, progress.write)
-                    except Exception as e:
-                        row.update(error=short(e), ms=None)
-                        progress.write(f"  {row['workload']} / {row['backend']}: ERROR while timing: {short(e)}")
-                        if isinstance(e, torch.cuda.OutOfMemoryError):
-                            gc.collect()
-                            torch.cuda.empty_cache()
-                        elif not cuda_healthy():
-                            raise
-                        break
-                    got.setdefault((i, key), []).append(ms)
-                    if key == "ms":
-                        runs[i] = None if n is None else (runs.get(i) or 0) + n
-                        timers[i] = timer
+            live = [(i, key, fn) for i, (row, timed) in enumerate(pending) if not row.get("error") for key, fn in timed]
+            while cfg.timer == "gpu" and len(live) > 1:
+                try:
+                    ms, n, timer = timing.time_interleaved([fn for _, _, fn in live], cfg)
+                except timing.CallFailed as e:  # (that call's row fails; the round again without it)
+                    bad = live[e.index][0]
+                    failed([bad], e.error)
+                    live = [x for x in live if x[0] != bad]
+                    continue
+                except Exception as e:  # (surfaced at a synchronisation: every row of the round)
+                    failed(sorted({i for i, _, _ in live}), e)
+                    live = []
+                    break
+                for (i, key, _), m in zip(live, ms):
+                    measured(i, key, m, n, timer)
+                live = []
+            for i, key, fn in live:  # (other timers, or a single call)
+                if pending[i][0].get("error"):
+                    continue
+                try:
+                    ms1, n1, timer1 = timing.time_gpu(fn, cfg, progress.write)
+                except Exception as e:
+                    failed([i], e)
+                    continue
+                measured(i, key, ms1, n1, timer1)
     finally:  # (what was measured stays, also when the CUDA context broke)
         for i, (row, _timed) in enumerate(pending):
             if row.get("error"):

@@ -123,6 +123,62 @@ def time_cuda_events(
     return statistics.median(times), n
 
 
+class CallFailed(Exception):
+    """Call ``index`` of :func:`time_interleaved` raised ``error`` (on the host, so it is that call's)."""
+
+    def __init__(self, index: int, error: Exception):
+        super().__init__(f"call {index}: {error}")
+        self.index, self.error = index, error
+
+
+def time_interleaved(fns: list[Callable], cfg: TimingConfig) -> tuple[list[float], int, str]:
+    """Median ms of each of ``fns``, timed as :func:`time_cuda_events` with the queue pre-loaded times
+    one, but run by run in turn: step i runs each call once (in reverse order in odd steps), so that
+    a drift of the GPU's clocks or a warmer card reaches every call alike, instead of the ones timed
+    later. ``(medians, runs each, timer used)``: ``cfg.reps`` runs, or about ``cfg.rep_ms`` of the slowest call's
+    (10 to 1000). A call that raises on the host raises :class:`CallFailed` naming it; an error
+    surfacing at a synchronisation propagates as it is (no one call can be named)."""
+
+    def call(j: int) -> None:
+        try:
+            fns[j]()
+        except Exception as e:
+            raise CallFailed(j, e) from e
+
+    pre = [2 * host_time_ms(lambda j=j: call(j)) + 0.1 for j in range(len(fns))]
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    torch.cuda.synchronize()
+    est = []
+    for j in range(len(fns)):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(3):
+            flush.zero_()
+            call(j)
+        e.record()
+        torch.cuda.synchronize()
+        est.append(max(s.elapsed_time(e) / 3, 1e-3))
+    for j in range(len(fns)):
+        for _ in range(max(1, min(200, int(cfg.warmup_ms / est[j])))):
+            call(j)
+    n = cfg.reps or max(10, min(1000, int(cfg.rep_ms / max(est))))
+    starts = [[torch.cuda.Event(enable_timing=True) for _ in range(n)] for _ in fns]
+    ends = [[torch.cuda.Event(enable_timing=True) for _ in range(n)] for _ in fns]
+    for i in range(n):
+        for j in range(len(fns)) if i % 2 == 0 else reversed(range(len(fns))):
+            flush.zero_()
+            preload(pre[j])
+            starts[j][i].record()
+            call(j)
+            ends[j][i].record()
+    torch.cuda.synchronize()
+    del flush
+    ms = [statistics.median(a.elapsed_time(b) for a, b in zip(starts[j], ends[j])) for j in range(len(fns))]
+    if not SleepCalibration.get():
+        return ms, n, "cuda-events+l2-flush, runs interleaved (sleep kernel uncalibrated: no pre-load)"
+    return ms, n, "cuda-events+l2-flush+preload, runs interleaved"
+
+
 def time_gpu(fn: Callable, cfg: TimingConfig, say: Callable[[str], None]) -> tuple[float, int | None, str]:
     """``(median ms, runs or None, timer used)`` of ``fn`` on the GPU, per ``cfg.timer``."""
     if cfg.timer == "gpu":
