@@ -75,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds",
         type=int,
         default=3,
-        help="table mode on a GPU: each workload's backends are timed in this many rounds, in turn, and each "
-        "reads the median of its rounds (a clock drift then reaches all alike; default 3)",
+        help="table mode on a GPU: each workload's backends are timed in this many rounds, run by run in turn "
+        "(with --timer gpu), and each reads the median of its rounds (a clock drift then reaches all alike; default 3)",
     )
     g.add_argument(
         "--timer",

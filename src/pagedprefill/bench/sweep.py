@@ -3,7 +3,7 @@
 For each workload the case is built once (:class:`~pagedprefill.bench.cases.Case`). For each backend
 the first call (graph builds, compilation) is made outside the timing and the output is checked once
 against a reference (:mod:`~pagedprefill.bench.checks`); then the workload's calls are timed
-(:mod:`~pagedprefill.bench.timing`) in rounds, each backend in turn (:func:`time_in_turn`). The
+(:mod:`~pagedprefill.bench.timing`) in rounds, the backends run by run in turn (:func:`time_in_turn`). The
 outside systems (:mod:`~pagedprefill.bench.references`) run the same batch stored contiguously. On an
 fp8 workload each system runs the fp8 data when it has a kernel for it, else the 16-bit data it was
 made from; the row says which (``data``).
