@@ -899,6 +899,18 @@ def test_gpu_serving_smoke(tmp_path, capsys):
         assert r["mem_end_mib"] > 0 and r["mem_growth_mib"] < 64, r
 
 
+def _three_rows() -> tuple[list[dict], list]:
+    """Rows x, y, z of one workload and their pending calls (each returns its name): x has an fp8
+    run's 16-bit call too, z fails when timed."""
+    rows = [dict(workload="w", backend=n, timer="eager") for n in ("x", "y", "z")]
+    pending = [
+        (rows[0], [("ms", lambda: "a"), ("wide_ms", lambda: "a16")]),
+        (rows[1], [("ms", lambda: "b")]),
+        (rows[2], [("ms", lambda: "bad")]),
+    ]
+    return rows, pending
+
+
 def test_backends_are_timed_in_turn(monkeypatch):
     """Each workload's backends are timed round by round, in turn (so that a drift of the GPU's clocks
     reaches every backend alike), and each row reads the median of its rounds; a call that fails while
@@ -914,12 +926,7 @@ def test_backends_are_timed_in_turn(monkeypatch):
 
     monkeypatch.setattr(sweep.timing, "time_gpu", fake_time_gpu)
     monkeypatch.setattr(sweep, "cuda_healthy", lambda: True)
-    rows = [dict(workload="w", backend=n, timer="eager") for n in ("x", "y", "z")]
-    pending = [
-        (rows[0], [("ms", lambda: "a"), ("wide_ms", lambda: "a16")]),
-        (rows[1], [("ms", lambda: "b")]),
-        (rows[2], [("ms", lambda: "bad")]),
-    ]
+    rows, pending = _three_rows()
     args = cli.build_parser().parse_args(["--rounds", "3", "--timer", "events"])
     sweep.time_in_turn(pending, args, Progress(0, "t"))
     assert order == ["a", "a16", "b", "bad"] + ["a", "a16", "b"] * 2
@@ -954,12 +961,7 @@ def test_default_timer_runs_the_calls_run_by_run(monkeypatch):
     monkeypatch.setattr(sweep.timing, "time_interleaved", fake_interleaved)
     monkeypatch.setattr(sweep.timing, "time_gpu", lambda fn, cfg, say: (alone.append(fn()) or 5.0, 4, "fake-alone"))
     monkeypatch.setattr(sweep, "cuda_healthy", lambda: True)
-    rows = [dict(workload="w", backend=n, timer="eager") for n in ("x", "y", "z")]
-    pending = [
-        (rows[0], [("ms", lambda: "a"), ("wide_ms", lambda: "a16")]),
-        (rows[1], [("ms", lambda: "b")]),
-        (rows[2], [("ms", lambda: "bad")]),
-    ]
+    rows, pending = _three_rows()
     args = cli.build_parser().parse_args(["--rounds", "3"])
     sweep.time_in_turn(pending, args, Progress(0, "t"))
     assert seen == [["a", "a16", "b", "bad"]] + [["a", "a16", "b"]] * 3 and not alone
