@@ -507,7 +507,7 @@ def _widen_partition(sched: Schedule, ring: KVRing, stg: Staging, slots: QSlots,
     while sched.more(item, r):
         w = sched.work_item(item, geo, False)
         t_lo, n_load = _load_span(sched, w, geo)
-        q_at = gl.minimum(n_load, STAGES - 2)
+        q_at = gl.minimum(n_load, 0)
         for i in range(n_load):
             t = t_lo + i
             n = c + i
@@ -612,7 +612,10 @@ def _load_partition(
             # from them, so the empty wait may wait for that; or after the item's last tile. SPLIT releases
             # K a tile earlier, so that stage no longer implies the last QK GEMM is done: _issue_q's own
             # wait on the slots' empty barrier is what guards Q, here as everywhere)
-            q_at = gl.minimum(n_load, STAGES - 2)
+            if geo.KV8 or geo.F8:
+                q_at = gl.minimum(n_load, 0)
+            else:
+                q_at = gl.minimum(n_load, STAGES - 2)
             if geo.KV8 or geo.F8:  # (the item's first S8 - 1 tiles into staging; the slots' last tiles are widened)
                 for j in gl.static_range(S8 - 1):
                     if j < n_load:
