@@ -507,7 +507,7 @@ def _widen_partition(sched: Schedule, ring: KVRing, stg: Staging, slots: QSlots,
     while sched.more(item, r):
         w = sched.work_item(item, geo, False)
         t_lo, n_load = _load_span(sched, w, geo)
-        q_at = gl.minimum(n_load, 0)
+        q_at = 0  # (at the item's first tile, as on every 8-bit path: see _load_partition)
         for i in range(n_load):
             t = t_lo + i
             n = c + i
@@ -611,9 +611,11 @@ def _load_partition(
             # QK GEMM; with O_STAGE they hand the slots back only after the last item's epilogue read O
             # from them, so the empty wait may wait for that; or after the item's last tile. SPLIT releases
             # K a tile earlier, so that stage no longer implies the last QK GEMM is done: _issue_q's own
-            # wait on the slots' empty barrier is what guards Q, here as everywhere)
+            # wait on the slots' empty barrier is what guards Q, here as everywhere. The 8-bit paths issue
+            # it at the item's first tile: their consumers, behind load warps that widen or transpose
+            # each tile, waited for Q at an item's start, and the earlier copy measured faster there)
             if geo.KV8 or geo.F8:
-                q_at = gl.minimum(n_load, 0)
+                q_at = 0
             else:
                 q_at = gl.minimum(n_load, STAGES - 2)
             if geo.KV8 or geo.F8:  # (the item's first S8 - 1 tiles into staging; the slots' last tiles are widened)
