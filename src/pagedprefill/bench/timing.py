@@ -4,7 +4,8 @@ GPU: CUDA events around one call; before it the L2 is flushed (a 256 MiB buffer 
 queue is pre-loaded with a sleep kernel (``torch.cuda._sleep``, calibrated once per process) long
 enough that the host has queued the call before the GPU reaches the start event: the events then
 bracket the call's device work only. Median over runs after warm-up; graphs and kernels are built by
-an earlier call, outside the timing. The host's own time per call is measured apart: calls queued
+an earlier call, outside the timing. The table mode times a workload's systems together, run by run
+(:func:`time_interleaved`). The host's own time per call is measured apart: calls queued
 back to back, no sync. CPU: ``time.perf_counter`` around each call, median.
 """
 
