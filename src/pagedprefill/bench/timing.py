@@ -96,32 +96,44 @@ def time_cuda_events(
 
     ``preload_ms`` > 0: a sleep kernel of that length is queued after the flush, before the start
     event, so that the events bracket the call's device work only."""
+    ms, n = _runs_in_turn([fn], [preload_ms], reps, warmup_ms, rep_ms)
+    return ms[0], n
+
+
+def _runs_in_turn(
+    fns: list[Callable], preload_ms: list[float], reps: int | None, warmup_ms: float, rep_ms: float
+) -> tuple[list[float], int]:
+    """Median ms of each of ``fns`` over CUDA-event-timed runs, step i running each once (in reverse
+    order in odd steps), the L2 flushed and ``preload_ms[j]`` of sleep queued before call j's start
+    event; ``(medians, runs each)``: ``reps``, or about ``rep_ms`` of the slowest call's (10 to 1000)."""
     flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
     torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(3):
-        flush.zero_()
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    est = max(s.elapsed_time(e) / 3, 1e-3)
-    n_warm = max(1, min(200, int(warmup_ms / est)))
-    n = reps or max(10, min(1000, int(rep_ms / est)))
-    for _ in range(n_warm):
-        fn()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    est = []
+    for fn in fns:
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(3):
+            flush.zero_()
+            fn()
+        e.record()
+        torch.cuda.synchronize()
+        est.append(max(s.elapsed_time(e) / 3, 1e-3))
+    for fn, t in zip(fns, est):
+        for _ in range(max(1, min(200, int(warmup_ms / t)))):
+            fn()
+    n = reps or max(10, min(1000, int(rep_ms / max(est))))
+    starts = [[torch.cuda.Event(enable_timing=True) for _ in range(n)] for _ in fns]
+    ends = [[torch.cuda.Event(enable_timing=True) for _ in range(n)] for _ in fns]
     for i in range(n):
-        flush.zero_()
-        preload(preload_ms)
-        starts[i].record()
-        fn()
-        ends[i].record()
+        for j in range(len(fns)) if i % 2 == 0 else reversed(range(len(fns))):
+            flush.zero_()
+            preload(preload_ms[j])
+            starts[j][i].record()
+            fns[j]()
+            ends[j][i].record()
     torch.cuda.synchronize()
-    times = [a.elapsed_time(b) for a, b in zip(starts, ends)]
     del flush
-    return statistics.median(times), n
+    return [statistics.median(a.elapsed_time(b) for a, b in zip(starts[j], ends[j])) for j in range(len(fns))], n
 
 
 class CallFailed(Exception):
@@ -140,41 +152,18 @@ def time_interleaved(fns: list[Callable], cfg: TimingConfig) -> tuple[list[float
     (10 to 1000). A call that raises on the host raises :class:`CallFailed` naming it; an error
     surfacing at a synchronisation propagates as it is (no one call can be named)."""
 
-    def call(j: int) -> None:
-        try:
-            fns[j]()
-        except Exception as e:
-            raise CallFailed(j, e) from e
+    def naming(j: int) -> Callable[[], None]:
+        def call() -> None:
+            try:
+                fns[j]()
+            except Exception as e:
+                raise CallFailed(j, e) from e
 
-    pre = [2 * host_time_ms(lambda j=j: call(j)) + 0.1 for j in range(len(fns))]
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
-    torch.cuda.synchronize()
-    est = []
-    for j in range(len(fns)):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(3):
-            flush.zero_()
-            call(j)
-        e.record()
-        torch.cuda.synchronize()
-        est.append(max(s.elapsed_time(e) / 3, 1e-3))
-    for j in range(len(fns)):
-        for _ in range(max(1, min(200, int(cfg.warmup_ms / est[j])))):
-            call(j)
-    n = cfg.reps or max(10, min(1000, int(cfg.rep_ms / max(est))))
-    starts = [[torch.cuda.Event(enable_timing=True) for _ in range(n)] for _ in fns]
-    ends = [[torch.cuda.Event(enable_timing=True) for _ in range(n)] for _ in fns]
-    for i in range(n):
-        for j in range(len(fns)) if i % 2 == 0 else reversed(range(len(fns))):
-            flush.zero_()
-            preload(pre[j])
-            starts[j][i].record()
-            call(j)
-            ends[j][i].record()
-    torch.cuda.synchronize()
-    del flush
-    ms = [statistics.median(a.elapsed_time(b) for a, b in zip(starts[j], ends[j])) for j in range(len(fns))]
+        return call
+
+    calls = [naming(j) for j in range(len(fns))]
+    pre = [2 * host_time_ms(c) + 0.1 for c in calls]
+    ms, n = _runs_in_turn(calls, pre, cfg.reps, cfg.warmup_ms, cfg.rep_ms)
     if not SleepCalibration.get():
         return ms, n, "cuda-events+l2-flush, runs interleaved (sleep kernel uncalibrated: no pre-load)"
     return ms, n, "cuda-events+l2-flush+preload, runs interleaved"
