@@ -309,6 +309,9 @@ def test_deprecated_flashinfer_methods():
     capped = _case(causal=True, logits_soft_cap=5.0, window_left=4)
     check(capped, w.forward(kw["q"], cache, True, window_left=4, logits_soft_cap=5.0), None, atol=2e-5)
     check(capped, w.run(kw["q"], cache), None, atol=2e-5)  # (a later run keeps the forward's settings)
+    # (FlashInfer's record, which engines check before a run, says what the runs use: forward's settings)
+    assert (w._causal, w._window_left, w._logits_soft_cap) == (True, 4, 5.0)
+    assert w._sm_scale == pytest.approx(1 / math.sqrt(32))
     full = _case(causal=False)
     check(full, w.forward(kw["q"], cache, sm_scale=kw["scale"], rope_scale=1.0, rope_theta=1e4), None, atol=2e-5)
     o2, l2 = w.run_return_lse(kw["q"], cache)  # (the last forward's: not causal, no window)
@@ -327,9 +330,11 @@ def test_deprecated_flashinfer_methods():
         w.run(kw["q"], cache)
     w.plan(_qo_indptr(causal), indptr, indices, last, 6, 2, 32, 4, q_data_type=F32, causal=True)
     check(causal, w.run(kw["q"], cache), None, atol=2e-5)
-    w.forward(kw["q"], cache, causal=False)
+    w.forward(kw["q"], cache, causal=False, sm_scale=0.5)
+    assert (w._causal, w._sm_scale) == (False, 0.5)
     w.plan(_qo_indptr(causal), indptr, indices, last, 6, 2, 32, 4, q_data_type=F32, causal=True)
     check(causal, w.run(kw["q"], cache), None, atol=2e-5)  # (a new plan's settings again)
+    assert (w._causal, w._window_left, w._logits_soft_cap) == (True, -1, 0.0)
 
 
 def test_errors_name_the_wrappers_own_arguments():

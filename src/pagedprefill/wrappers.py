@@ -243,22 +243,28 @@ class _Wrapper:
     def end_forward(self) -> None:
         """FlashInfer's deprecated ``end_forward``: nothing to release."""
 
-    # FlashInfer's record of the plan, which engines check before each run (vLLM asserts on them)
+    # FlashInfer's record of the plan, which engines check before each run (vLLM asserts on them): what
+    # the next run uses, so after a deprecated forward() its causal / window / soft-cap / scale, as
+    # FlashInfer's forward() sets these fields before it runs
     @property
     def _causal(self) -> bool:
-        return self.plan_object.seq.causal
+        return self._run_plan().seq.causal
 
     @property
     def _window_left(self) -> int:
-        return self.plan_object.seq.window_left
+        return self._run_plan().seq.window_left
 
     @property
     def _logits_soft_cap(self) -> float:
-        return self.plan_object.seq.logits_soft_cap
+        return self._run_plan().seq.logits_soft_cap
 
     @property
     def _sm_scale(self) -> float:
-        return self.plan_object.seq.scale
+        return self._run_plan().seq.scale
+
+    def _run_plan(self) -> PrefillPlan:
+        """The plan a run uses: the last ``plan``'s, with the last deprecated ``forward``'s changes."""
+        return self._variant() if self._forwarded else self.plan_object
 
     @property
     def plan_object(self) -> PrefillPlan:
@@ -447,7 +453,7 @@ class _Wrapper:
         sinks,
         p: PrefillPlan | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        p = p or (self._variant() if self._forwarded else self.plan_object)
+        p = p or self._run_plan()
         q_dt, kv_dt = self._dtypes
         if q_dt is not None and q.dtype != q_dt:
             raise fail("q", f"dtype {q_dt} (q_data_type of plan)", q.dtype)
