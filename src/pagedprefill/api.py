@@ -106,7 +106,7 @@ def cudnn_batch_prefill_with_kv_cache(
         is_cuda_graph_compatible: lengths/offsets/tables live on the device; no host sync, and no
             allocation when out (and lse) are given; safe to capture with ``torch.cuda.graph``.
         backend: "auto" / None (fastest correct backend for the call), "cudnn", "triton", "torch".
-        o_data_type: output dtype; default q.dtype (bf16 for fp8 q).
+        o_data_type: output dtype; default: out's dtype when out is given, else q.dtype (bf16 for fp8 q).
         window_left: sliding window: with w >= 0, query i (position p = i + kv_len - q_len) sees only
             keys j >= p - w. -1: off.
         logits_soft_cap: with c > 0, logits are c·tanh(logit / c) (Gemma). 0: off.

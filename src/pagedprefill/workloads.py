@@ -196,7 +196,8 @@ def data_kind(w: dict) -> str:
 
 
 def lengths(w: dict) -> tuple[list[int], list[int]]:
-    """``(q_lens, kv_lens)`` of workload ``w``, exactly as the README draws them."""
+    """``(q_lens, kv_lens)`` of workload ``w``, exactly as the shared list's README draws them (one
+    generator seeded with the workload's seed)."""
     batch = int(w["batch"])
     g = torch.Generator().manual_seed(int(w.get("seed", 0)))
     if "qo_len" in w:

@@ -6,20 +6,22 @@ and ``BatchPrefillWithRaggedKVCacheWrapper`` runs by changing the import.
 ``run(q, paged_kv_cache, ...)`` runs it. Arguments this library does not implement raise
 ``NotImplementedError`` naming them; they are never ignored. FlashInfer's own kernel names
 ``backend="fa2"`` / ``"fa3"`` run on this library's ``"auto"`` (the same attention); ``enable_pdl`` is a
-launch hint, taken and not used. After ``plan``, the wrapper holds FlashInfer's record of it
-(``_causal``, ``_window_left``, ``_logits_soft_cap``, ``_sm_scale``), which engines check before a run.
+launch hint, taken and not used. After ``plan``, the wrapper holds FlashInfer's record of what the
+next run uses (``_causal``, ``_window_left``, ``_logits_soft_cap``, ``_sm_scale``), which engines check
+before a run; after a deprecated ``forward``, its settings.
 
 As in FlashInfer, the wrappers return the LSE in **base 2** (``log2`` of the sum of ``2^(s log2 e)``),
-shape ``(qo_indptr[-1], num_qo_heads)``; the one-shot ``cudnn_batch_prefill_with_kv_cache`` and
-``PrefillPlan.run`` return natural-log LSEs. ``pagedprefill.merge_state(..., lse_base=2)`` merges
-wrapper LSEs. A caller's ``lse`` buffer is ``(q rows, num_qo_heads)`` float32, as FlashInfer asks;
-its rows that no sequence covers are left as they are.
+shape ``(q.shape[0], num_qo_heads)`` (``qo_indptr[-1]`` rows unless q is padded); the one-shot
+``cudnn_batch_prefill_with_kv_cache`` and ``PrefillPlan.run`` return natural-log LSEs.
+``pagedprefill.merge_state(..., lse_base=2)`` merges wrapper LSEs. A caller's ``lse`` buffer is
+``(q rows, num_qo_heads)`` float32, as FlashInfer asks; its rows that no sequence covers are left as
+they are.
 
 FlashInfer's other entry points are here too: ``begin_forward`` (= ``plan``), ``run_return_lse``,
 the deprecated ``forward`` / ``forward_return_lse`` (whose causal, window, soft-cap and scale replace
 the plan's, for later runs too, as in FlashInfer), ``end_forward``,
-``is_cuda_graph_enabled`` and ``reset_workspace_buffer`` (plan again after it); ``workspace_size``
-raises ``NotImplementedError``. The paged cache may also take FlashInfer's page-size-1 forms (a
+``is_cuda_graph_enabled`` and ``reset_workspace_buffer`` (plan again after it); the paged wrapper's
+``workspace_size`` raises ``NotImplementedError``. The paged cache may also take FlashInfer's page-size-1 forms (a
 tuple of 3-D ``(pages, Hkv, D)`` tensors or one 4-D ``(pages, 2, Hkv, D)`` tensor). ``seq_lens``
 beside CSR pages must equal the pages' KV lengths (checked where they are on the host); with
 ``seq_lens`` + ``block_tables`` (FlashInfer's cudnn form, which the runs then read) the CSR pages must
@@ -680,7 +682,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         """FlashInfer's ``run``: ``paged_kv_cache`` is a ``(k_cache, v_cache)`` tuple of
         ``[pages, page_size, Hkv, D]`` (NHD) / ``[pages, Hkv, page_size, D]`` (HND) tensors, or one
         ``[pages, 2, page_size, Hkv, D]`` / ``[pages, 2, Hkv, page_size, D]`` tensor. Returns out, or
-        (out, lse) with ``return_lse`` (lse base 2, ``(qo_indptr[-1], Hq)``)."""
+        (out, lse) with ``return_lse`` (lse base 2, ``(q.shape[0], Hq)``)."""
         if args:
             _positional_run_arguments(args)
         _refuse(
@@ -885,7 +887,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         sinks: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """FlashInfer's ``run``: k, v ``[kv_indptr[-1], Hkv, D]`` (NHD) or ``[Hkv, kv_indptr[-1], D]``
-        (HND). Returns out, or (out, lse) with ``return_lse`` (lse base 2, ``(qo_indptr[-1], Hq)``)."""
+        (HND). Returns out, or (out, lse) with ``return_lse`` (lse base 2, ``(q.shape[0], Hq)``)."""
         if args:
             _positional_run_arguments(args)
         _refuse(
