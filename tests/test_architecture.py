@@ -17,12 +17,12 @@ LAYERS = {
     "kernels.metadata": 2,
     "kernels.merge": 2,
     "kernels": 1,
+    "workspace": 3,  # (shared helpers: the device table, the workspace's carving)
+    "plan_cache": 3,
     "backends": 5,
     "dispatch": 6,
     "normalise": 7,
-    "workspace": 8,
     "prefill_plan": 9,
-    "plan_cache": 9,
     "merge": 9,
     "api": 10,
     "wrappers": 11,
@@ -142,3 +142,19 @@ def test_a_backend_is_one_package_and_one_registry_line():
     for name, module in dispatch._MODULES.items():
         assert module.startswith("pagedprefill.backends."), module
         assert name in dispatch.BACKENDS
+
+
+def test_only_dispatch_names_the_backend_modules():
+    """Outside the backends' own packages, a backend module is reached through the registry
+    (``dispatch.backend_module``), never by its dotted path in a string (``importlib`` or
+    ``sys.modules`` lookups that the import graph above cannot see)."""
+    named = []
+    for path in SRC.rglob("*.py"):
+        mod = _module_name(path)
+        if mod == "dispatch" or _backend_of(mod) is not None:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if node.value.startswith("pagedprefill.backends"):
+                    named.append(f"{mod}: {node.value!r}")
+    assert not named, "backend modules named outside dispatch:\n" + "\n".join(named)

@@ -322,7 +322,7 @@ def test_package_imports_without_cudnn():
 
 def test_build_counter_and_clear():
     n = cb.graph_builds()
-    cb.clear_graph_cache()
+    cb.clear_caches()
     assert cb.graph_builds() == n  # a count of builds, not of cached graphs
     assert graph.CACHE == {} and graph.FAILED == {}
 

@@ -167,3 +167,19 @@ def test_last_backend_reports_what_auto_picked_on_cpu():
         return_lse=False,
     )
     assert pagedprefill.last_backend() == "torch"
+
+
+def test_clear_caches_reaches_loaded_backends_only(monkeypatch):
+    """``pagedprefill.clear_caches`` calls each imported backend module's ``clear_caches`` through the
+    registry, and imports none that is not loaded."""
+    import sys
+    import types
+
+    cleared = []
+    fake = types.ModuleType("fake_cudnn")
+    fake.clear_caches = lambda: cleared.append("cudnn")
+    monkeypatch.setitem(sys.modules, dispatch._MODULES["cudnn"], fake)
+    monkeypatch.delitem(sys.modules, dispatch._MODULES["torch"], raising=False)
+    pagedprefill.clear_caches()
+    assert cleared == ["cudnn"]
+    assert dispatch._MODULES["torch"] not in sys.modules

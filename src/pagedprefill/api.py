@@ -496,13 +496,10 @@ def _lengths_of(name: str, indptr: object) -> Tensor:
 
 
 def clear_caches() -> None:
-    """Forget every cached call plan and built cuDNN graph (tests; after changing backend knobs)."""
+    """Forget every cached call plan and what the loaded backends cache (cuDNN's built graphs) (tests;
+    after changing backend knobs)."""
     plan_cache.clear()
-    import sys
-
-    cudnn = sys.modules.get("pagedprefill.backends.cudnn")
-    if cudnn is not None:
-        cudnn.clear_graph_cache()
+    dispatch.clear_backend_caches()
 
 
 def last_backend() -> str | None:

@@ -6,6 +6,7 @@ A backend is one registry line here and one module (or package) under ``pagedpre
 from __future__ import annotations
 
 import importlib
+import sys
 import threading
 from types import ModuleType
 
@@ -22,6 +23,16 @@ _LAST = threading.local()
 
 def backend_module(name: str) -> ModuleType:
     return importlib.import_module(_MODULES[name])
+
+
+def clear_backend_caches() -> None:
+    """Each backend module already imported forgets what it caches (its ``clear_caches``, where it
+    has one); none is imported for it."""
+    for path in _MODULES.values():
+        module = sys.modules.get(path)
+        clear = getattr(module, "clear_caches", None)
+        if clear is not None:
+            clear()
 
 
 def check_backend(backend: object) -> str:

@@ -57,7 +57,7 @@ import re
 import torch
 from torch import Tensor
 
-from pagedprefill import api, normalise
+from pagedprefill import api, dispatch, normalise
 from pagedprefill.batch import fail
 from pagedprefill.normalise import describe
 from pagedprefill.prefill_plan import PrefillPlan
@@ -80,7 +80,6 @@ _UNPLANNED = dict(
     fixed_split_size=None,
     seq_lens_q=None,
 )
-_OUR_BACKENDS = ("auto", "cudnn", "triton", "torch")
 # FlashInfer's own FlashAttention kernels (its default choices on Hopper and before): the same attention,
 # served here by this library's fastest backend for the call
 _FLASHINFER_FA = ("fa2", "fa3")
@@ -204,10 +203,10 @@ class _Wrapper:
         )
         if backend in _FLASHINFER_FA:
             backend = "auto"
-        if backend not in _OUR_BACKENDS:
+        if backend not in dispatch.BACKENDS:
             raise NotImplementedError(
                 f"pagedprefill does not implement FlashInfer's backend={backend!r}; its backends are "
-                f"{_OUR_BACKENDS} (and FlashInfer's {_FLASHINFER_FA}, served as 'auto')"
+                f"{dispatch.BACKENDS} (and FlashInfer's {_FLASHINFER_FA}, served as 'auto')"
             )
         self._workspace = float_workspace_buffer
         self._kv_layout = kv_layout

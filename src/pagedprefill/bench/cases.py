@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 import pagedprefill
+from pagedprefill import dispatch
 from pagedprefill import workloads as wl
 
 from . import checks
@@ -23,11 +24,6 @@ from .common import Skip, note, short, sync
 # The public function every mode calls, looked up at call time (tests replace it).
 prefill = pagedprefill.cudnn_batch_prefill_with_kv_cache
 
-_BACKEND_MODULES = {
-    "cudnn": "pagedprefill.backends.cudnn",
-    "triton": "pagedprefill.backends.triton",
-    "torch": "pagedprefill.backends.torch_ref",
-}
 _WORKSPACE_RE = re.compile(r"workspace_buffer: expected at least (\d+) bytes")
 
 
@@ -61,10 +57,9 @@ def first_call(kwargs: dict, backend: str, say: Callable[[str], None] = note) ->
     Raises :class:`Skip` when the backend cannot run the call here. A workspace too small for the
     backend is replaced once by one of the size the error names (``kwargs["workspace_buffer"]``).
     """
-    module = _BACKEND_MODULES.get(backend)
-    if module is not None:
+    if backend in dispatch.BACKENDS and backend != "auto":
         try:
-            __import__(module)
+            dispatch.backend_module(backend)
         except Exception as e:  # a backend that cannot even be imported here is unavailable
             raise Skip(f"backend module not importable: {short(e)}") from e
     device = kwargs["q"].device

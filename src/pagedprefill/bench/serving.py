@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import importlib
 import math
 import statistics
 import time
@@ -23,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from pagedprefill import dispatch
 from pagedprefill import workloads as wl
 
 from . import cases, checks, tables, timing
@@ -156,18 +156,15 @@ def build_serving_calls(
     return calls
 
 
-_COUNTERS = {
-    "cudnn_graph_builds": ("pagedprefill.backends.cudnn", "graph_builds"),
-    "triton_compiles": ("pagedprefill.backends.triton", "compiled_variants"),
-}
+_COUNTERS = {"cudnn_graph_builds": ("cudnn", "graph_builds"), "triton_compiles": ("triton", "compiled_variants")}
 
 
 def counters() -> dict[str, int | None]:
     """cuDNN graphs built and Triton kernel variants compiled so far (None: not available here)."""
     got: dict[str, int | None] = {}
-    for key, (module, attr) in _COUNTERS.items():
+    for key, (backend, attr) in _COUNTERS.items():
         try:
-            got[key] = int(getattr(importlib.import_module(module), attr)())
+            got[key] = int(getattr(dispatch.backend_module(backend), attr)())
         except Exception:
             got[key] = None
     return got

@@ -286,6 +286,6 @@ class CudnnPlan:
             prepare.fill_empty_rows(plan.spec, plan.consts, t.out, t.lse, t.sinks, fx)
 
 
-def clear_graph_cache() -> None:
+def clear_caches() -> None:
     """Forget every built graph (rebuilt on demand). Not while a captured CUDA graph replays one."""
     graph.clear()
