@@ -472,8 +472,7 @@ def _csr_max(indptr: object, last: object, page_size: int) -> int:
     last = _vector("kv_last_page_len", last, indptr.shape[0] - 1)
     if indptr.device.type != "cpu" or last.device.type != "cpu":
         raise fail("max_sequence_kv", "an int (required when kv_indptr is on the device: reading it would sync)", None)
-    n = (indptr[1:] - indptr[:-1]).clamp(min=0)
-    lens = torch.where(n > 0, (n - 1) * page_size + last, 0)
+    lens = normalise.csr_kv_lens(indptr, last, page_size)
     return max(int(lens.max()), 0) if lens.numel() else 0
 
 

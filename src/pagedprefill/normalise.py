@@ -90,6 +90,13 @@ def same_device(a: torch.device, b: torch.device) -> bool:
     return ia == ib
 
 
+def csr_kv_lens(indptr: Tensor, last: Tensor, page_size: int) -> Tensor:
+    """(B,) KV lengths of CSR pages, on their device: ``(pages - 1) * page_size + last`` (0 for a
+    sequence of no page); the vectors are not checked here."""
+    n = (indptr[1:] - indptr[:-1]).clamp(min=0)
+    return torch.where(n > 0, (n - 1) * page_size + last, 0)
+
+
 def vector(name: str, t: object, length: int | None, device: torch.device, graph_mode: bool) -> Tensor:
     """A (n,) or (n,1,1,1) int32/int64 tensor on the CPU or on q's device, flattened to (n,)."""
     if not isinstance(t, Tensor):

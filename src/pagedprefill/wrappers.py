@@ -612,16 +612,17 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
             kv = dict(kv_indptr=indptr, kv_indices=paged_kv_indices, kv_last_page_len=last)
             kv_host = None
             if indptr.device.type == "cpu" and last.device.type == "cpu":
-                kv_host = _csr_lens(indptr, last, page_size).tolist()
+                kv_host = normalise.csr_kv_lens(indptr, last, page_size).tolist()
             if seq_lens is not None:  # (FlashInfer plans its KV lengths from them: they must be the pages')
                 _check_seq_lens(seq_lens, kv_host, indptr, last, page_size, max_sequence_kv)
         q_host = lens_q.tolist() if lens_q.device.type == "cpu" else None
         if q_host is None and max_token_per_sequence is None:
             q_host = lens_q.tolist()  # (device indptr without bounds: one read-back, as FlashInfer does)
         if kv_host is None and max_sequence_kv is None:
-            kv_host = (
-                seq_lens if block_tables is not None else _csr_lens(kv["kv_indptr"], kv["kv_last_page_len"], page_size)
-            ).tolist()
+            if block_tables is not None:
+                kv_host = seq_lens.tolist()
+            else:
+                kv_host = normalise.csr_kv_lens(kv["kv_indptr"], kv["kv_last_page_len"], page_size).tolist()
         max_q, max_kv = self._bounds_for(max_token_per_sequence, max_sequence_kv, q_host or [], kv_host or [])
         if self._use_cuda_graph:  # (every tensor a run reads lives in this wrapper's buffers)
             qo_indptr = self._graph_vector("qo_indptr", qo_indptr)
@@ -977,13 +978,8 @@ def _check_seq_lens(seq_lens, kv_host, indptr: Tensor, last: Tensor, page_size: 
     if seq_lens.device.type != "cpu" and max_kv is not None:
         return
     given = seq_lens.reshape(-1).tolist()
-    pages = kv_host if kv_host is not None else _csr_lens(indptr, last, page_size).tolist()
+    pages = kv_host if kv_host is not None else normalise.csr_kv_lens(indptr, last, page_size).tolist()
     if given != pages:
         raise fail(
             "seq_lens", f"the KV lengths of the CSR pages {pages[:8]}{'...' if len(pages) > 8 else ''}", given[:8]
         )
-
-
-def _csr_lens(indptr: Tensor, last: Tensor, page_size: int) -> Tensor:
-    n = (indptr[1:] - indptr[:-1]).clamp(min=0)
-    return torch.where(n > 0, (n - 1) * page_size + last, 0)
