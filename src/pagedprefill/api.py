@@ -120,9 +120,9 @@ def cudnn_batch_prefill_with_kv_cache(
     """
     if batch_offsets_units == "tokens":  # (FlashInfer's lengths from token indptrs)
         if actual_seq_lens_q is None and batch_offsets_q is not None:
-            actual_seq_lens_q = _lengths_of("batch_offsets_q", batch_offsets_q)
+            actual_seq_lens_q = normalise.lengths_of("batch_offsets_q", batch_offsets_q)
         if actual_seq_lens_kv is None and block_tables is None and batch_offsets_k is not None:
-            actual_seq_lens_kv = _lengths_of("batch_offsets_k", batch_offsets_k)
+            actual_seq_lens_kv = normalise.lengths_of("batch_offsets_k", batch_offsets_k)
     offsets = (batch_offsets_q, batch_offsets_o, batch_offsets_k, batch_offsets_v, batch_offsets_stats)
     scales = (q_scale, k_scale, v_scale)
     scalars = (
@@ -401,14 +401,14 @@ def plan(
     max_q = (
         max_token_per_sequence
         if max_token_per_sequence is not None
-        else _host_max("max_token_per_sequence", "actual_seq_lens_q", actual_seq_lens_q)
+        else normalise.host_max("max_token_per_sequence", "actual_seq_lens_q", actual_seq_lens_q)
     )
     if max_sequence_kv is not None:
         max_kv = max_sequence_kv
     elif csr:
-        max_kv = _csr_max(kv_indptr, kv_last_page_len, ps)
+        max_kv = normalise.csr_max(kv_indptr, kv_last_page_len, ps)
     else:
-        max_kv = _host_max("max_sequence_kv", "actual_seq_lens_kv", actual_seq_lens_kv)
+        max_kv = normalise.host_max("max_sequence_kv", "actual_seq_lens_kv", actual_seq_lens_kv)
     offsets = dict(
         q=batch_offsets_q, o=batch_offsets_o, k=batch_offsets_k, v=batch_offsets_v, stats=batch_offsets_stats
     )
@@ -450,48 +450,6 @@ def plan(
         split_kv=not normalise.bool_arg("disable_split_kv", disable_split_kv),
     )
     return p
-
-
-def _host_max(name: str, lens_name: str, lens: object) -> int:
-    """The largest of host lengths ``lens`` (0 at least: a negative one is named by the lengths' own
-    check), for a plan given no ``name``; the vector is checked first, so a bad one is named itself."""
-    if lens is None:
-        raise fail(lens_name, "a (B,) int32/int64 tensor of lengths", None)
-    lens = _vector(lens_name, lens)
-    if lens.device.type != "cpu":
-        raise fail(name, "an int (required when the lengths are on the device: reading them would sync)", None)
-    return max(int(lens.max()), 0) if lens.numel() else 0
-
-
-def _csr_max(indptr: object, last: object, page_size: int) -> int:
-    """The largest KV length of host CSR pages (see :func:`_host_max`); the vectors are checked first."""
-    for name, t in (("kv_indptr", indptr), ("kv_last_page_len", last)):
-        if t is None:
-            raise fail(name, "a tensor (CSR pages need kv_indptr, kv_indices and kv_last_page_len)", None)
-    indptr = _vector("kv_indptr", indptr)
-    last = _vector("kv_last_page_len", last, indptr.shape[0] - 1)
-    if indptr.device.type != "cpu" or last.device.type != "cpu":
-        raise fail("max_sequence_kv", "an int (required when kv_indptr is on the device: reading it would sync)", None)
-    lens = normalise.csr_kv_lens(indptr, last, page_size)
-    return max(int(lens.max()), 0) if lens.numel() else 0
-
-
-def _vector(name: str, t: object, length: int | None = None) -> Tensor:
-    """``t`` checked as a length / offset vector (``normalise.vector``) on whatever device it is on: the
-    batch's device is checked later, with the rest of the batch."""
-    return normalise.vector(name, t, length, t.device if isinstance(t, Tensor) else torch.device("cpu"), False)
-
-
-def _lengths_of(name: str, indptr: object) -> Tensor:
-    """The lengths a (B+1,) token indptr gives (its differences), for a call that omits them; on the
-    host, a decreasing indptr is named here (not the lengths the caller did not pass)."""
-    t = _vector(name, indptr)
-    if t.shape[0] < 1:
-        raise fail(name, "B + 1 >= 1 token offsets (the lengths are their differences)", "an empty tensor")
-    lens = t[1:] - t[:-1]
-    if t.is_cpu and lens.numel() and int(lens.min()) < 0:
-        raise fail(name, "non-decreasing token offsets (the lengths are their differences)", t.tolist()[:8])
-    return lens
 
 
 def clear_caches() -> None:

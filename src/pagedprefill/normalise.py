@@ -119,6 +119,48 @@ def vector(name: str, t: object, length: int | None, device: torch.device, graph
     return t.reshape(-1)
 
 
+def host_max(name: str, lens_name: str, lens: object) -> int:
+    """The largest of host lengths ``lens`` (0 at least: a negative one is named by the lengths' own
+    check), for a plan given no ``name``; the vector is checked first, so a bad one is named itself."""
+    if lens is None:
+        raise fail(lens_name, "a (B,) int32/int64 tensor of lengths", None)
+    lens = _any_device_vector(lens_name, lens)
+    if lens.device.type != "cpu":
+        raise fail(name, "an int (required when the lengths are on the device: reading them would sync)", None)
+    return max(int(lens.max()), 0) if lens.numel() else 0
+
+
+def csr_max(indptr: object, last: object, page_size: int) -> int:
+    """The largest KV length of host CSR pages (see :func:`host_max`); the vectors are checked first."""
+    for name, t in (("kv_indptr", indptr), ("kv_last_page_len", last)):
+        if t is None:
+            raise fail(name, "a tensor (CSR pages need kv_indptr, kv_indices and kv_last_page_len)", None)
+    indptr = _any_device_vector("kv_indptr", indptr)
+    last = _any_device_vector("kv_last_page_len", last, indptr.shape[0] - 1)
+    if indptr.device.type != "cpu" or last.device.type != "cpu":
+        raise fail("max_sequence_kv", "an int (required when kv_indptr is on the device: reading it would sync)", None)
+    lens = csr_kv_lens(indptr, last, page_size)
+    return max(int(lens.max()), 0) if lens.numel() else 0
+
+
+def _any_device_vector(name: str, t: object, length: int | None = None) -> Tensor:
+    """``t`` checked as a length / offset vector (:func:`vector`) on whatever device it is on: the
+    batch's device is checked later, with the rest of the batch."""
+    return vector(name, t, length, t.device if isinstance(t, Tensor) else torch.device("cpu"), False)
+
+
+def lengths_of(name: str, indptr: object) -> Tensor:
+    """The lengths a (B+1,) token indptr gives (its differences), for a call that omits them; on the
+    host, a decreasing indptr is named here (not the lengths the caller did not pass)."""
+    t = _any_device_vector(name, indptr)
+    if t.shape[0] < 1:
+        raise fail(name, "B + 1 >= 1 token offsets (the lengths are their differences)", "an empty tensor")
+    lens = t[1:] - t[:-1]
+    if t.is_cpu and lens.numel() and int(lens.min()) < 0:
+        raise fail(name, "non-decreasing token offsets (the lengths are their differences)", t.tolist()[:8])
+    return lens
+
+
 def finite(x: float) -> bool:
     """``math.isfinite`` by comparisons (NaN compares false), which torch.compile traces when it leaves
     a float argument unspecialised (``math.isfinite`` of it breaks a full graph)."""
